@@ -1,0 +1,28 @@
+"Tiny random-weight Hugging Face models of each supported family, saved to a folder."
+import torch
+
+FAMILIES = {
+    "llama": dict(model_type="llama"),
+    "llama3": dict(model_type="llama", rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                                         high_freq_factor=4.0, original_max_position_embeddings=64)),
+    "mistral": dict(model_type="mistral"),
+    "qwen2": dict(model_type="qwen2"),
+    "smollm2_tied": dict(model_type="llama", tie_word_embeddings=True),
+}
+
+def tiny_hf_model(family="llama", path=None, seed=0, **kw):
+    "Build a tiny random Hugging Face model of `family`; save it to `path` if given. Returns the model."
+    from transformers import AutoConfig, AutoModelForCausalLM
+    spec = dict(FAMILIES[family]); mt = spec.pop("model_type")
+    base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                rope_theta=10000.0)
+    base.update(spec); base.update(kw)
+    cfg = AutoConfig.for_model(mt, **base)
+    torch.manual_seed(seed)
+    m = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    with torch.no_grad():                                  # biases are zero-initialised: make them count
+        for n, p in m.named_parameters():
+            if n.endswith("bias"): p.normal_(0, 0.1)
+    if path is not None: m.save_pretrained(path)
+    return m
