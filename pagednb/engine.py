@@ -9,7 +9,7 @@ __all__ = ['logger', 'GiB', 'BACKENDS', 'StepInputs', 'PagedAttentionBackend', '
            'LLMEngine', 'validate', 'add_request', 'abort_request', 'has_unfinished_requests', 'step', 'get_metrics',
            'LLM', 'generate', 'chat', 'StreamDelta', 'stream_deltas', 'stream']
 
-# %% ../nbs/06_engine.ipynb #efab4a06
+# %% ../nbs/06_engine.ipynb #85e1c338
 import math, os, time, itertools, logging
 from dataclasses import dataclass, field
 import torch
@@ -23,7 +23,7 @@ from .sampling import SamplingParams, CompletionOutput, RequestOutput, RequestMe
 
 logger = logging.getLogger("pagednb")
 
-# %% ../nbs/06_engine.ipynb #7e8ca1ba
+# %% ../nbs/06_engine.ipynb #9951cb00
 @dataclass
 class StepInputs:
     "The flat tensors of one step."
@@ -38,7 +38,7 @@ class PagedAttentionBackend:
         store_kv(k, v, kc, vc, x.slot_mapping, backend=self.backend)
         return paged_attention(q, kc, vc, x.block_tables, x.seq_lens, x.query_start_loc, self.scale, backend=self.backend)
 
-# %% ../nbs/06_engine.ipynb #526feff1
+# %% ../nbs/06_engine.ipynb #c361d219
 class ModelRunner:
     "Runs the model over the paged KV cache for a step plan."
     def __init__(self, model, num_blocks, block_size, attention_backend=None):
@@ -64,15 +64,18 @@ class ModelRunner:
                           (start + n).to(torch.int32).to(dev), qsl.to(dev))
 
     @torch.inference_mode()
-    def execute(self, plan, sample_rows):
-        "Copy-on-write copies, then the forward; returns the logits of the last token of the scheduled rows in `sample_rows`."
+    def execute(self, plan, rows, counts=None):
+        "Copy-on-write copies, then the forward; returns the logits of the last `counts[i]` tokens of scheduled row `rows[i]`."
         for src, dst in plan.copies: self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
-        x = self.prepare_inputs(plan); self.attn.inputs = x
+        x = self.prepare_inputs(plan); self.attn.inputs = self.last_inputs = x
         h = self.model(x.input_ids, x.positions, self.attn)
-        last = (x.query_start_loc[1:] - 1).long()[torch.as_tensor(sample_rows, dtype=torch.long, device=self.device)]
-        return self.model.compute_logits(h[last])
+        end = x.query_start_loc[1:].long()[torch.as_tensor(rows, dtype=torch.long, device=self.device)]
+        if counts is None or max(counts, default=1) == 1: return self.model.compute_logits(h[end - 1])
+        c = torch.as_tensor(counts, device=self.device)
+        idx = torch.repeat_interleave(end - c, c) + torch.arange(int(c.sum()), device=self.device) - torch.repeat_interleave(c.cumsum(0) - c, c)
+        return self.model.compute_logits(h[idx])
 
-# %% ../nbs/06_engine.ipynb #c55bc434
+# %% ../nbs/06_engine.ipynb #9633cdf1
 GiB = 1 << 30
 
 def _available_ram():
@@ -119,7 +122,7 @@ def num_kv_blocks(model, block_size, max_model_len, max_num_batched_tokens, gpu_
                          f"or lower max_model_len")
     return n, block_bytes
 
-# %% ../nbs/06_engine.ipynb #f993b0d0
+# %% ../nbs/06_engine.ipynb #00229522
 class Request:
     "One request: its prompt, `SamplingParams`, the sequences that generate its `n` outputs, and their text."
     def __init__(self, request_id, prompt, prompt_token_ids, params, arrival_time=None):
@@ -131,7 +134,7 @@ class Request:
     def finished(self): return len(self.finish_reasons) == self.params.n
     def output_ids(self, s): return s.token_ids[s.num_prompt_tokens:]
 
-# %% ../nbs/06_engine.ipynb #0d422daa
+# %% ../nbs/06_engine.ipynb #13afd1e3
 BACKENDS = ("torch", "triton")
 
 class LLMEngine:
@@ -142,8 +145,6 @@ class LLMEngine:
                  tokenizer=None, log=True):
         if attention_backend is not None and attention_backend not in BACKENDS:
             raise ValueError(f"attention_backend={attention_backend!r} is unknown; use one of {BACKENDS} or None for the device's default")
-        if speculative_config is not None:
-            raise NotImplementedError("speculative_config: speculative decoding is not part of this engine yet")
         if isinstance(model, tuple): self.model, self.tokenizer, self.model_config = model
         else: self.model, self.tokenizer, self.model_config = load_model(model, dtype=dtype, device=device)
         if tokenizer is not None: self.tokenizer = tokenizer
@@ -166,8 +167,13 @@ class LLMEngine:
         self.stats = dict(prompt_tokens=0, generation_tokens=0, steps=0, busy_time=0.0)
         self.eos = self._eos_ids()
         self.on_step = None                                  # hook for traces: called with (engine, plan, sampled)
+        self.spec = None
+        if speculative_config is not None:                   # `07_speculative`
+            from pagednb.spec_decode import SpecDecoder
+            self.spec = SpecDecoder.from_config(speculative_config, self)
+            self.scheduler.lookahead = self.spec.lookahead
 
-# %% ../nbs/06_engine.ipynb #d44e947b
+# %% ../nbs/06_engine.ipynb #901d4e8f
 def _eos_ids(self):
     ids = self.model_config.eos_token_id
     ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
@@ -223,7 +229,7 @@ LLMEngine.abort_request = abort_request
 def has_unfinished_requests(self): return self.scheduler.has_unfinished or bool(self._aborts)
 LLMEngine.has_unfinished_requests = has_unfinished_requests
 
-# %% ../nbs/06_engine.ipynb #3cf40829
+# %% ../nbs/06_engine.ipynb #edd236d9
 def _finish(self, seq, reason):
     req = seq.request
     req.finish_reasons[seq.index] = reason
@@ -262,7 +268,7 @@ def _mask_min_tokens(self, logits, seqs):
     return logits
 LLMEngine._mask_min_tokens = _mask_min_tokens
 
-# %% ../nbs/06_engine.ipynb #a419996e
+# %% ../nbs/06_engine.ipynb #b3f3f876
 def _fork_children(self, seq):
     req = seq.request
     kids = []
@@ -284,7 +290,35 @@ def _logprobs(self, logits, seqs, toks):
         s.request.logprobs.setdefault(s.index, []).append(entry)
 LLMEngine._logprobs = _logprobs
 
-# %% ../nbs/06_engine.ipynb #0c33badc
+# %% ../nbs/06_engine.ipynb #5176a85f
+def _sample_rows(self, rows, logits):
+    "Sample one token for each ready row; a request with `n > 1` forks at the end of its prompt. Returns {seq: [token]}."
+    seqs, lrows = [], []
+    for j, sc in enumerate(rows):
+        s = sc.seq
+        if s.params.n > 1 and s.index == 0 and s.num_output_tokens == 0:
+            s.num_computed_tokens = sc.start + sc.num_new_tokens        # the children inherit the computed prompt
+            family = [s] + self._fork_children(s)
+        else: family = [s]
+        seqs += family; lrows += [j]*len(family)
+    lg = self._mask_min_tokens(logits[torch.tensor(lrows, dtype=torch.long, device=logits.device)], seqs)
+    toks = sample(lg, [s.params for s in seqs], [s.generator for s in seqs], self.generator).tolist()
+    self._logprobs(lg, seqs, toks)
+    return {s: [t] for s, t in zip(seqs, toks)}
+LLMEngine._sample_rows = _sample_rows
+
+def _emit(self, seq, new_tokens):
+    "Append `new_tokens` one at a time with the stop checks; returns the finish reason, if any (and stops appending)."
+    req = seq.request
+    for t in new_tokens:
+        seq.token_ids.append(t)
+        if req.metrics.first_token_time is None: req.metrics.first_token_time = time.time()
+        reason = self._check_stop(seq, t)
+        if reason: return reason
+    return None
+LLMEngine._emit = _emit
+
+# %% ../nbs/06_engine.ipynb #6da8c4db
 def step(self):
     "Run one engine step; returns a `RequestOutput` for every request that made progress or finished."
     for rid in list(self._aborts):
@@ -296,36 +330,42 @@ def step(self):
     plan = self.scheduler.schedule()
     touched = {}
     if not plan.is_empty:
-        ready = self.scheduler.update(plan)              # num_computed advances; full pages are registered
-        ready_ids = {s.seq_id for s in ready}
-        rows = [i for i, s in enumerate(plan.scheduled) if s.seq.seq_id in ready_ids]
-        logits = self.runner.execute(plan, rows)
-        seqs, lrows = [], []
-        for j, i in enumerate(rows):
-            s = plan.scheduled[i].seq
-            family = [s] + (self._fork_children(s) if s.params.n > 1 and s.index == 0 and s.num_output_tokens == 0 else [])
-            seqs += family; lrows += [j]*len(family)
-        logits = self._mask_min_tokens(logits[torch.tensor(lrows, dtype=torch.long, device=logits.device)], seqs)
-        toks = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], self.generator).tolist()
-        self._logprobs(logits, seqs, toks)
-        now = time.time()
-        for s, t in zip(seqs, toks):
-            s.token_ids.append(t); req = s.request; touched[req.request_id] = req
-            if req.metrics.first_token_time is None: req.metrics.first_token_time = now
-            reason = self._check_stop(s, t)
-            if reason: self._finish(s, reason)
+        drafts = self.spec.propose(self, plan) if self.spec else {}          # seq_id -> draft tokens, appended to token_ids
+        ready = [sc for sc in plan.scheduled if sc.start + sc.num_new_tokens == sc.seq.num_tokens]
+        counts = [1 + len(drafts.get(sc.seq.seq_id, ())) for sc in ready]
+        logits = self.runner.execute(plan, [plan.scheduled.index(sc) for sc in ready], counts)
+        if self.spec: self.spec.after_forward(self)
+        split = torch.tensor(counts).cumsum(0).tolist()
+        plain = [i for i, c in enumerate(counts) if c == 1]
+        new = self._sample_rows([ready[i] for i in plain], logits[[split[i] - 1 for i in plain]]) if plain else {}
+        computed = {}
+        for i, c in enumerate(counts):
+            if c == 1: continue
+            sc = ready[i]; d = drafts[sc.seq.seq_id]
+            del sc.seq.token_ids[sc.start + 1:]                              # take the drafts back out ...
+            toks = self.spec.verify(self, sc.seq, logits[split[i] - c:split[i]], d)
+            new[sc.seq] = toks                                              # ... and put back what was accepted
+            computed[sc.seq.seq_id] = sc.start + len(toks)                  # drafts kept have their K/V cached
+        reasons = {s: self._emit(s, toks) for s, toks in new.items()}
+        for s, toks in new.items(): touched[s.request.request_id] = s.request
+        self.scheduler.update(plan, computed)
         for sc in plan.scheduled:
-            if sc.seq.num_computed_tokens <= sc.seq.num_prompt_tokens:
-                self.stats["prompt_tokens"] += min(sc.num_new_tokens, max(0, sc.seq.num_prompt_tokens - sc.start))
-            sc.seq.request.metrics.num_cached_tokens = max(sc.seq.request.metrics.num_cached_tokens, sc.seq.num_cached_tokens)
-        self.stats["generation_tokens"] += len(toks)
+            if sc.seq.seq_id in computed and sc.seq.status is SequenceStatus.RUNNING:
+                self.block_manager.trim(sc.seq, sc.seq.num_computed_tokens + 1)   # rejected drafts give their slots back
+        for s, r in reasons.items():
+            if r: self._finish(s, r)
+        for sc in plan.scheduled:
+            if sc.start < sc.seq.num_prompt_tokens:
+                self.stats["prompt_tokens"] += min(sc.num_new_tokens, sc.seq.num_prompt_tokens - sc.start)
+            m = sc.seq.request.metrics; m.num_cached_tokens = max(m.num_cached_tokens, sc.seq.num_cached_tokens)
+        self.stats["generation_tokens"] += sum(len(t) for t in new.values())
         self.stats["steps"] += 1
-        if self.on_step: self.on_step(self, plan, dict(zip([s.seq_id for s in seqs], toks)))
+        if self.on_step: self.on_step(self, plan, {s.seq_id: toks for s, toks in new.items()})
     self.stats["busy_time"] += time.perf_counter() - t0
     return [self._output(r) for r in touched.values()] + self._drain_aborted()
 LLMEngine.step = step
 
-# %% ../nbs/06_engine.ipynb #abe1defc
+# %% ../nbs/06_engine.ipynb #37076575
 def _output(self, req):
     outs = []
     for s in sorted(req.seqs, key=lambda s: s.index):
@@ -341,7 +381,7 @@ def _drain_aborted(self):
     return [self._output(r) for r in done]
 LLMEngine._drain_aborted = _drain_aborted
 
-# %% ../nbs/06_engine.ipynb #4dfe87f0
+# %% ../nbs/06_engine.ipynb #c3b9c255
 def get_metrics(self):
     "KV usage and waste, prefix-cache hits, preemptions, token counts and throughput."
     bm, bs = self.block_manager, self.block_manager.block_size
@@ -357,13 +397,18 @@ def get_metrics(self):
                 num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
                 prompt_tokens=self.stats["prompt_tokens"], generation_tokens=self.stats["generation_tokens"],
                 prompt_throughput=self.stats["prompt_tokens"]/busy, generation_throughput=self.stats["generation_tokens"]/busy,
-                num_steps=self.stats["steps"])
+                num_steps=self.stats["steps"], **(self.spec.metrics() if self.spec else {}))
 LLMEngine.get_metrics = get_metrics
 
-# %% ../nbs/06_engine.ipynb #9c44e695
+# %% ../nbs/06_engine.ipynb #426779c6
 class LLM:
     "vLLM's offline entry point over the paged engine; `model=None` is the embedded SmolLM2-135M-Instruct."
-    def __init__(self, model=None, **kwargs): self.engine = LLMEngine(model, **kwargs)
+    def __init__(self, model=None, trace=False, **kwargs):
+        self.engine = LLMEngine(model, **kwargs)
+        self.trace = None
+        if trace:                                          # record every step for the widgets of `08_trace`
+            from pagednb.trace import Trace
+            self.trace = Trace.attach(self.engine)
     @property
     def tokenizer(self): return self.engine.tokenizer
     def get_tokenizer(self): return self.engine.tokenizer
@@ -379,7 +424,7 @@ class LLM:
         base = f"{time.time_ns():x}"
         return [self.engine.add_request(f"{base}-{i}", p, sp or SamplingParams()).request_id for i, (p, sp) in enumerate(zip(prompts, sps))]
 
-# %% ../nbs/06_engine.ipynb #545a019c
+# %% ../nbs/06_engine.ipynb #bb073dd0
 def generate(self, prompts, sampling_params=None, use_tqdm=True):
     "Generate for a batch of prompts (strings or token-id lists); returns `RequestOutput`s in input order."
     from tqdm.auto import tqdm
@@ -406,7 +451,7 @@ def chat(self, messages, sampling_params=None, use_tqdm=True, add_generation_pro
     return self.generate(prompts, sampling_params, use_tqdm)
 LLM.chat = chat
 
-# %% ../nbs/06_engine.ipynb #bd1faf6d
+# %% ../nbs/06_engine.ipynb #fe5d483f
 @dataclass
 class StreamDelta:
     "A new piece of one output's text."

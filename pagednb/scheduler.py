@@ -8,14 +8,14 @@ Docs: https://pagednb.github.io/pagednb/scheduler.html.md"""
 __all__ = ['SequenceStatus', 'Sequence', 'ScheduledSeq', 'StepPlan', 'SchedulerConfig', 'Scheduler', 'schedule', 'update',
            'finish', 'simulate', 'plot_steps']
 
-# %% ../nbs/05_scheduler.ipynb #0f66e26d
+# %% ../nbs/05_scheduler.ipynb #ad8fff7f
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 import itertools, time
 from .block_manager import Sequence as _BlockSequence, BlockManager
 
-# %% ../nbs/05_scheduler.ipynb #2c47bfaf
+# %% ../nbs/05_scheduler.ipynb #6b60cf83
 class SequenceStatus(str, Enum):
     WAITING = "waiting"; RUNNING = "running"; FINISHED = "finished"
 
@@ -35,11 +35,12 @@ class Sequence(_BlockSequence):
     @property
     def num_output_tokens(self): return self.num_tokens - self.num_prompt_tokens
 
-# %% ../nbs/05_scheduler.ipynb #aba489c8
+# %% ../nbs/05_scheduler.ipynb #7473632b
 @dataclass
 class ScheduledSeq:
     "One sequence in a step: compute its tokens `[start, start + num_new_tokens)`."
     seq: Sequence; num_new_tokens: int; start: int; kind: str = "prefill"     # "decode": one generated token
+    num_lookahead: int = 0                                                   # slots reserved for speculative tokens
 
 @dataclass
 class StepPlan:
@@ -61,7 +62,7 @@ class StepPlan:
         extra = f" preempted {self.preempted}" if self.preempted else ""
         return f"{self.num_batched_tokens}/{self.token_budget} tokens [{' '.join(parts)}]{extra}"
 
-# %% ../nbs/05_scheduler.ipynb #ad7582a0
+# %% ../nbs/05_scheduler.ipynb #baf2d523
 @dataclass
 class SchedulerConfig:
     "The knobs of the scheduler, with vLLM's names."
@@ -78,13 +79,14 @@ class SchedulerConfig:
                              f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len}); "
                              f"raise it or set enable_chunked_prefill=True")
 
-# %% ../nbs/05_scheduler.ipynb #53fbb578
+# %% ../nbs/05_scheduler.ipynb #dd2d7be2
 class Scheduler:
     "Continuous batching over a `BlockManager`: decodes first, then prompt chunks under the token budget."
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
         self.config, self.bm = config, block_manager
         self.waiting, self.running = deque(), []
         self.num_preemptions, self.num_steps = 0, 0
+        self.lookahead = None          # speculative decoding: seq -> number of draft tokens to make room for
     def add(self, seq: Sequence):
         "Queue a new sequence."
         if seq.num_tokens > self.config.max_model_len:
@@ -95,7 +97,7 @@ class Scheduler:
     def __repr__(self):
         return f"Scheduler(waiting={[s.seq_id for s in self.waiting]}, running={[s.seq_id for s in self.running]})"
 
-# %% ../nbs/05_scheduler.ipynb #b555de15
+# %% ../nbs/05_scheduler.ipynb #c95ea420
 def _preempt(self: Scheduler, seq: Sequence, plan: StepPlan):
     plan.freed[seq.seq_id] = list(seq.block_table)
     self.bm.deallocate(seq)
@@ -104,17 +106,17 @@ def _preempt(self: Scheduler, seq: Sequence, plan: StepPlan):
     self.waiting.appendleft(seq); plan.preempted.append(seq.seq_id)
 Scheduler._preempt = _preempt
 
-def _take(self: Scheduler, seq, n, plan, hits=()):
-    alloc = self.bm.allocate(seq, n, hits)
+def _take(self: Scheduler, seq, n, plan, hits=(), k=0):
+    alloc = self.bm.allocate(seq, n, hits, num_lookahead_slots=k)
     if alloc.new_blocks: plan.allocated[seq.seq_id] = alloc.new_blocks
     if alloc.computed_blocks: plan.shared[seq.seq_id] = alloc.computed_blocks
     plan.copies += alloc.copies
     start = seq.num_computed_tokens
     kind = "decode" if n == 1 and start >= seq.num_prompt_tokens else "prefill"
-    plan.scheduled.append(ScheduledSeq(seq, n, start, kind))
+    plan.scheduled.append(ScheduledSeq(seq, n, start, kind, k))
 Scheduler._take = _take
 
-# %% ../nbs/05_scheduler.ipynb #abca2861
+# %% ../nbs/05_scheduler.ipynb #44074827
 def schedule(self: Scheduler) -> StepPlan:
     "Decide the next step: which sequences run, with how many new tokens each."
     c, bm = self.config, self.bm
@@ -124,13 +126,14 @@ def schedule(self: Scheduler) -> StepPlan:
         if budget <= 0: break
         if seq.status is not SequenceStatus.RUNNING: continue            # preempted earlier in this loop
         n = min(seq.num_uncomputed, budget)
-        while not bm.can_allocate(seq, n):
+        k = min(self.lookahead(seq), budget - n) if self.lookahead and not seq.is_prefill else 0
+        while not bm.can_allocate(seq, n, num_lookahead_slots=k):
             victims = [s for s in self.running if s.seq_id not in done and s is not seq]
             victim = max(victims, key=lambda s: s.arrival) if victims else seq
             self._preempt(victim, plan)
             if victim is seq: break
         if seq.status is SequenceStatus.RUNNING:
-            self._take(seq, n, plan); done.add(seq.seq_id); budget -= n
+            self._take(seq, n, plan, k=k); done.add(seq.seq_id); budget -= n + k
     while self.waiting and budget > 0 and len(self.running) < c.max_num_seqs and not plan.preempted:
         seq = self.waiting[0]
         hits = bm.get_computed_blocks(seq)
@@ -145,12 +148,14 @@ def schedule(self: Scheduler) -> StepPlan:
     return plan
 Scheduler.schedule = schedule
 
-# %% ../nbs/05_scheduler.ipynb #c907f999
-def update(self: Scheduler, plan: StepPlan):
+# %% ../nbs/05_scheduler.ipynb #3b3b513c
+def update(self: Scheduler, plan: StepPlan, computed=None):
     "Record that the plan's tokens are computed; return the scheduled sequences that now need a sampled token."
     ready = []
     for s in plan.scheduled:
-        s.seq.num_computed_tokens = s.start + s.num_new_tokens
+        if s.seq.status is not SequenceStatus.RUNNING: continue
+        n = (computed or {}).get(s.seq.seq_id, s.start + s.num_new_tokens)
+        s.seq.num_computed_tokens = min(n, s.seq.num_tokens)
         self.bm.cache_blocks(s.seq, s.seq.num_computed_tokens)
         if s.seq.num_computed_tokens == s.seq.num_tokens: ready.append(s.seq)
     return ready
@@ -163,7 +168,7 @@ def finish(self: Scheduler, seq: Sequence):
     seq.status = SequenceStatus.FINISHED
 Scheduler.finish = finish
 
-# %% ../nbs/05_scheduler.ipynb #61214ec1
+# %% ../nbs/05_scheduler.ipynb #58fc89ab
 def simulate(scheduler: Scheduler, seqs, output_len, max_steps=10_000, on_step=None):
     "Run `seqs` through `scheduler` with a stand-in model that appends token 0; returns the step plans."
     out_len = output_len if isinstance(output_len, dict) else {s.seq_id: output_len for s in seqs}
@@ -179,7 +184,7 @@ def simulate(scheduler: Scheduler, seqs, output_len, max_steps=10_000, on_step=N
         if on_step: on_step(plan)
     return plans
 
-# %% ../nbs/05_scheduler.ipynb #df123f93
+# %% ../nbs/05_scheduler.ipynb #871798b3
 def plot_steps(plans, title="Tokens per step under the budget"):
     "Stacked bars of each step's prefill and decode tokens against the token budget."
     import plotly.graph_objects as go
