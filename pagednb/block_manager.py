@@ -10,19 +10,19 @@ __all__ = ['kv_cache_shape', 'Sequence', 'Block', 'BlockManagerError', 'NoFreeBl
            'memory_snapshot', 'plot_memory_map', 'request_max_tokens', 'reserved_slots', 'kv_waste',
            'requests_that_fit', 'simulate_admission', 'memory_waste_table', 'plot_memory_waste']
 
-# %% ../nbs/02_block_manager.ipynb #03252bf2
+# %% ../nbs/02_block_manager.ipynb #d7b85da4
 import math, heapq
 from collections import deque, OrderedDict
 from dataclasses import dataclass, field
 from fastcore.basics import patch
 
-# %% ../nbs/02_block_manager.ipynb #1aa3e31c
+# %% ../nbs/02_block_manager.ipynb #cf72bdf5
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, num_layers: int | None = None) -> tuple:
     "Shape of one layer's K (or V) cache, `[num_blocks, block_size, num_kv_heads, head_dim]`; with `num_layers`, the engine's whole `[2, num_layers, ...]` tensor."
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     return shape if num_layers is None else (2, num_layers) + shape
 
-# %% ../nbs/02_block_manager.ipynb #44a7bd91
+# %% ../nbs/02_block_manager.ipynb #b77965ca
 class Sequence:
     "A request's token ids and its view of the paged KV cache: block table and how many tokens are computed."
     def __init__(self, seq_id: int, token_ids, cache_salt: str | None = None):
@@ -43,7 +43,7 @@ class Sequence:
         return (f"{type(self).__name__}(seq_id={self.seq_id}, num_tokens={self.num_tokens}, "
                 f"num_computed_tokens={self.num_computed_tokens}, block_table={self.block_table})")
 
-# %% ../nbs/02_block_manager.ipynb #3ac55ee2
+# %% ../nbs/02_block_manager.ipynb #d2ed637c
 class Block:
     "One physical block of the pool: its id, how many block tables hold it, and its content hash (prefix cache)."
     __slots__ = ("block_id", "ref_count", "block_hash")
@@ -74,7 +74,7 @@ def check_block_size(block_size) -> int:
         raise ValueError(f"block_size must be a power of two (1, 2, 4, ..., 16, 32, ...), got {block_size!r}")
     return block_size
 
-# %% ../nbs/02_block_manager.ipynb #8deebea0
+# %% ../nbs/02_block_manager.ipynb #5143ab34
 class BlockManager:
     "A pool of `num_blocks` KV blocks of `block_size` slots, handed to sequences through block tables."
     enable_prefix_caching = False
@@ -155,7 +155,7 @@ class BlockManager:
         return []
     def cache_blocks(self, seq, num_computed_tokens: int): "Register full blocks in the prefix cache: nothing to do here."
 
-# %% ../nbs/02_block_manager.ipynb #7be6b9ab
+# %% ../nbs/02_block_manager.ipynb #e243d891
 @dataclass
 class Allocation:
     "What one `allocate` call did: blocks taken from the pool, and copy-on-write copies for the runner."
@@ -214,7 +214,7 @@ def allocate(self: BlockManager, seq, num_new_tokens: int, computed_blocks=(), n
     table.extend(out.new_blocks[len(cow):])
     return out
 
-# %% ../nbs/02_block_manager.ipynb #42823866
+# %% ../nbs/02_block_manager.ipynb #0c612c2e
 @patch
 def slot_mapping(self: BlockManager, seq, start: int, end: int) -> list[int]:
     "Cache slots of `seq`'s token positions `[start, end)`: `block_table[p // bs] * bs + p % bs`."
@@ -232,7 +232,7 @@ def compute_slot_mapping(block_table, positions, block_size: int):
     "Vectorised slot mapping for numpy arrays or torch tensors: `block_table[positions // bs] * bs + positions % bs`."
     return block_table[positions // block_size]*block_size + positions % block_size
 
-# %% ../nbs/02_block_manager.ipynb #030e9627
+# %% ../nbs/02_block_manager.ipynb #39cb7eeb
 @patch
 def _check_live(self: BlockManager, seq):
     if self.seqs.get(seq.seq_id) is not seq:
@@ -269,7 +269,7 @@ def trim(self: BlockManager, seq, num_tokens: int):
     del seq.block_table[keep:]
     seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens)
 
-# %% ../nbs/02_block_manager.ipynb #fe2a34ae
+# %% ../nbs/02_block_manager.ipynb #3853be4f
 @patch
 def check_invariants(self: BlockManager, seqs=None):
     "Raise `AssertionError` describing the first violated invariant; `seqs`, if given, must be exactly the live sequences."
@@ -299,7 +299,7 @@ def check_invariants(self: BlockManager, seqs=None):
     assert used == self._num_used, f"used counter {self._num_used} != {used} blocks held"
     return True
 
-# %% ../nbs/02_block_manager.ipynb #4e608a69
+# %% ../nbs/02_block_manager.ipynb #17d836b9
 def _hash_str(h):
     if h is None: return None
     return h.hex() if isinstance(h, (bytes, bytearray)) else str(h)
@@ -325,7 +325,7 @@ def memory_snapshot(bm: BlockManager, seqs=None, decode=None) -> dict:
                            num_prompt_tokens=s.num_prompt_tokens, num_computed_tokens=s.num_computed_tokens,
                            num_cached_tokens=s.num_cached_tokens) for s in seqs])
 
-# %% ../nbs/02_block_manager.ipynb #1b2b1060
+# %% ../nbs/02_block_manager.ipynb #be6d0687
 _PALETTE = ["#636EFA", "#EF553B", "#00CC96", "#AB63FA", "#FFA15A", "#19D3F3", "#FF6692", "#B6E880", "#FF97FF", "#FECB52",
             "#1F77B4", "#8C564B", "#BCBD22", "#7F7F7F", "#17BECF", "#D62728"]
 _FREE, _CACHED = "#E8E8E8", "#C6DBEF"
@@ -404,7 +404,7 @@ def plot_memory_map(bm_or_snapshot, seqs=None, decode=None, cols: int | None = N
     fig.update_yaxes(visible=False, range=[rows + .1, -.1], scaleanchor="x")
     return fig
 
-# %% ../nbs/02_block_manager.ipynb #cc1d57e6
+# %% ../nbs/02_block_manager.ipynb #e2fcb638
 def _pow2_ceil(x: int) -> int: return 1 << max(0, (x - 1).bit_length())
 
 def request_max_tokens(req, max_model_len: int = 2048) -> int:
@@ -430,7 +430,7 @@ def kv_waste(workload, policy: str = "paged", block_size: int = 16, max_model_le
     return dict(policy=policy, block_size=block_size if policy == "paged" else None, reserved=reserved, used=u,
                 waste=1 - u/reserved, max_waste_per_request=max(a - b for a, b in zip(res, used)))
 
-# %% ../nbs/02_block_manager.ipynb #8ccdc1e0
+# %% ../nbs/02_block_manager.ipynb #a927c45e
 def requests_that_fit(workload, budget_tokens: int, policy: str = "paged", block_size: int = 16, max_model_len: int = 2048) -> int:
     "How many requests, taken in order, fit together in a KV budget of `budget_tokens` slots (paged: whole blocks)."
     res = reserved_slots(workload, policy, block_size, max_model_len)
@@ -441,7 +441,7 @@ def requests_that_fit(workload, budget_tokens: int, policy: str = "paged", block
         total += r; n += 1
     return n
 
-# %% ../nbs/02_block_manager.ipynb #0d840c9a
+# %% ../nbs/02_block_manager.ipynb #1004acdc
 def _first_fit(allocs, need, budget):
     "Start of the first gap of `need` slots among sorted `[start, size]` allocations, or None."
     prev = 0
@@ -482,7 +482,7 @@ def simulate_admission(workload, budget_tokens: int, policy: str = "paged", bloc
         t = t_next
     return dict(policy=policy, block_size=block_size if paged else None, mean_running=busy/t, steps=t, external_fragmentation=frag/t)
 
-# %% ../nbs/02_block_manager.ipynb #042f39cc
+# %% ../nbs/02_block_manager.ipynb #0b4dcd41
 def memory_waste_table(workload, budget_tokens: int, block_sizes=(1, 2, 4, 8, 16, 32, 64, 128), max_model_len: int = 2048) -> list[dict]:
     "One row per policy (contiguous to max_model_len, to max_tokens, paged at each block size): waste, fit, concurrency, fragmentation."
     rows = []

@@ -9,7 +9,7 @@ __all__ = ['logger', 'GiB', 'BACKENDS', 'StepInputs', 'PagedAttentionBackend', '
            'LLMEngine', 'validate', 'add_request', 'abort_request', 'has_unfinished_requests', 'step', 'get_metrics',
            'LLM', 'generate', 'chat', 'StreamDelta', 'stream_deltas', 'stream']
 
-# %% ../nbs/06_engine.ipynb #85e1c338
+# %% ../nbs/06_engine.ipynb #5dc3a0fe
 import math, os, time, itertools, logging
 from dataclasses import dataclass, field
 import torch
@@ -23,7 +23,7 @@ from .sampling import SamplingParams, CompletionOutput, RequestOutput, RequestMe
 
 logger = logging.getLogger("pagednb")
 
-# %% ../nbs/06_engine.ipynb #9951cb00
+# %% ../nbs/06_engine.ipynb #5b9493e9
 @dataclass
 class StepInputs:
     "The flat tensors of one step."
@@ -38,7 +38,7 @@ class PagedAttentionBackend:
         store_kv(k, v, kc, vc, x.slot_mapping, backend=self.backend)
         return paged_attention(q, kc, vc, x.block_tables, x.seq_lens, x.query_start_loc, self.scale, backend=self.backend)
 
-# %% ../nbs/06_engine.ipynb #c361d219
+# %% ../nbs/06_engine.ipynb #fbf0657a
 class ModelRunner:
     "Runs the model over the paged KV cache for a step plan."
     def __init__(self, model, num_blocks, block_size, attention_backend=None):
@@ -75,7 +75,7 @@ class ModelRunner:
         idx = torch.repeat_interleave(end - c, c) + torch.arange(int(c.sum()), device=self.device) - torch.repeat_interleave(c.cumsum(0) - c, c)
         return self.model.compute_logits(h[idx])
 
-# %% ../nbs/06_engine.ipynb #9633cdf1
+# %% ../nbs/06_engine.ipynb #5a860249
 GiB = 1 << 30
 
 def _available_ram():
@@ -122,7 +122,7 @@ def num_kv_blocks(model, block_size, max_model_len, max_num_batched_tokens, gpu_
                          f"or lower max_model_len")
     return n, block_bytes
 
-# %% ../nbs/06_engine.ipynb #00229522
+# %% ../nbs/06_engine.ipynb #ef5735a7
 class Request:
     "One request: its prompt, `SamplingParams`, the sequences that generate its `n` outputs, and their text."
     def __init__(self, request_id, prompt, prompt_token_ids, params, arrival_time=None):
@@ -134,7 +134,7 @@ class Request:
     def finished(self): return len(self.finish_reasons) == self.params.n
     def output_ids(self, s): return s.token_ids[s.num_prompt_tokens:]
 
-# %% ../nbs/06_engine.ipynb #13afd1e3
+# %% ../nbs/06_engine.ipynb #a82851c5
 BACKENDS = ("torch", "triton")
 
 class LLMEngine:
@@ -173,7 +173,7 @@ class LLMEngine:
             self.spec = SpecDecoder.from_config(speculative_config, self)
             self.scheduler.lookahead = self.spec.lookahead
 
-# %% ../nbs/06_engine.ipynb #901d4e8f
+# %% ../nbs/06_engine.ipynb #986fa537
 def _eos_ids(self):
     ids = self.model_config.eos_token_id
     ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
@@ -229,7 +229,7 @@ LLMEngine.abort_request = abort_request
 def has_unfinished_requests(self): return self.scheduler.has_unfinished or bool(self._aborts)
 LLMEngine.has_unfinished_requests = has_unfinished_requests
 
-# %% ../nbs/06_engine.ipynb #edd236d9
+# %% ../nbs/06_engine.ipynb #22c6351e
 def _finish(self, seq, reason):
     req = seq.request
     req.finish_reasons[seq.index] = reason
@@ -268,7 +268,7 @@ def _mask_min_tokens(self, logits, seqs):
     return logits
 LLMEngine._mask_min_tokens = _mask_min_tokens
 
-# %% ../nbs/06_engine.ipynb #b3f3f876
+# %% ../nbs/06_engine.ipynb #19151de2
 def _fork_children(self, seq):
     req = seq.request
     kids = []
@@ -290,7 +290,7 @@ def _logprobs(self, logits, seqs, toks):
         s.request.logprobs.setdefault(s.index, []).append(entry)
 LLMEngine._logprobs = _logprobs
 
-# %% ../nbs/06_engine.ipynb #5176a85f
+# %% ../nbs/06_engine.ipynb #5dbf4c76
 def _sample_rows(self, rows, logits):
     "Sample one token for each ready row; a request with `n > 1` forks at the end of its prompt. Returns {seq: [token]}."
     seqs, lrows = [], []
@@ -318,13 +318,15 @@ def _emit(self, seq, new_tokens):
     return None
 LLMEngine._emit = _emit
 
-# %% ../nbs/06_engine.ipynb #6da8c4db
+# %% ../nbs/06_engine.ipynb #5c6ac805
 def step(self):
     "Run one engine step; returns a `RequestOutput` for every request that made progress or finished."
     for rid in list(self._aborts):
         req = self.requests.get(rid)
-        for s in (req.seqs if req else []):
+        if req is None: continue
+        for s in req.seqs:
             if s.status is not SequenceStatus.FINISHED: self._finish(s, "abort")
+        for i in range(req.params.n): req.finish_reasons.setdefault(i, "abort")   # children not forked yet
     self._aborts.clear()
     t0 = time.perf_counter()
     plan = self.scheduler.schedule()
@@ -365,7 +367,7 @@ def step(self):
     return [self._output(r) for r in touched.values()] + self._drain_aborted()
 LLMEngine.step = step
 
-# %% ../nbs/06_engine.ipynb #37076575
+# %% ../nbs/06_engine.ipynb #815668c1
 def _output(self, req):
     outs = []
     for s in sorted(req.seqs, key=lambda s: s.index):
@@ -381,7 +383,7 @@ def _drain_aborted(self):
     return [self._output(r) for r in done]
 LLMEngine._drain_aborted = _drain_aborted
 
-# %% ../nbs/06_engine.ipynb #c3b9c255
+# %% ../nbs/06_engine.ipynb #10f07eb7
 def get_metrics(self):
     "KV usage and waste, prefix-cache hits, preemptions, token counts and throughput."
     bm, bs = self.block_manager, self.block_manager.block_size
@@ -400,7 +402,7 @@ def get_metrics(self):
                 num_steps=self.stats["steps"], **(self.spec.metrics() if self.spec else {}))
 LLMEngine.get_metrics = get_metrics
 
-# %% ../nbs/06_engine.ipynb #426779c6
+# %% ../nbs/06_engine.ipynb #dc88acec
 class LLM:
     "vLLM's offline entry point over the paged engine; `model=None` is the embedded SmolLM2-135M-Instruct."
     def __init__(self, model=None, trace=False, **kwargs):
@@ -424,7 +426,7 @@ class LLM:
         base = f"{time.time_ns():x}"
         return [self.engine.add_request(f"{base}-{i}", p, sp or SamplingParams()).request_id for i, (p, sp) in enumerate(zip(prompts, sps))]
 
-# %% ../nbs/06_engine.ipynb #bb073dd0
+# %% ../nbs/06_engine.ipynb #2b71fa9b
 def generate(self, prompts, sampling_params=None, use_tqdm=True):
     "Generate for a batch of prompts (strings or token-id lists); returns `RequestOutput`s in input order."
     from tqdm.auto import tqdm
@@ -451,24 +453,27 @@ def chat(self, messages, sampling_params=None, use_tqdm=True, add_generation_pro
     return self.generate(prompts, sampling_params, use_tqdm)
 LLM.chat = chat
 
-# %% ../nbs/06_engine.ipynb #fe5d483f
+# %% ../nbs/06_engine.ipynb #975db66f
 @dataclass
 class StreamDelta:
     "A new piece of one output's text."
     request_id: str; index: int; text: str; token_ids: list; finished: bool; finish_reason: str|None
 
-def stream_deltas(out: RequestOutput, sent: dict):
-    "Deltas of a `RequestOutput` against what was already sent (`sent[(request_id, index)] = (chars, tokens)`)."
+def stream_deltas(out: RequestOutput, sent: dict, hold=0):
+    "Deltas of a `RequestOutput` against what was already sent; `hold` characters stay back until the end (a stop string may cut them)."
     for o in out.outputs:
-        key = (out.request_id, o.index); nc, nt = sent.get(key, (0, 0))
-        text = o.text if o.finish_reason else o.text.rstrip("\ufffd")
+        key = (out.request_id, o.index); nc, nt, done = sent.get(key, (0, 0, False))
+        if done: continue
+        text = o.text if o.finish_reason else o.text.rstrip("\ufffd")[:max(0, len(o.text.rstrip("\ufffd")) - hold)]
         if len(text) > nc or len(o.token_ids) > nt or o.finish_reason:
-            sent[key] = (max(nc, len(text)), len(o.token_ids))
+            sent[key] = (max(nc, len(text)), len(o.token_ids), o.finish_reason is not None)
             yield StreamDelta(out.request_id, o.index, text[nc:], o.token_ids[nt:], o.finish_reason is not None, o.finish_reason)
 
 def stream(self, prompts, sampling_params=None):
     "Generate, yielding a `StreamDelta` for each new piece of text of each request."
-    self._add_all(prompts, sampling_params); sent = {}
+    ids = self._add_all(prompts, sampling_params); sent = {}
+    reqs = [self.engine.requests[i] for i in ids]
+    hold = {r.request_id: max([len(x) for x in r.params.stop] + [1]) - 1 for r in reqs}
     while self.engine.has_unfinished_requests():
-        for out in self.engine.step(): yield from stream_deltas(out, sent)
+        for out in self.engine.step(): yield from stream_deltas(out, sent, hold.get(out.request_id, 0))
 LLM.stream = stream

@@ -8,11 +8,11 @@ Docs: https://pagednb.github.io/pagednb/kv_cache.html.md"""
 __all__ = ['LLAMA2_13B', 'LLAMA3_8B', 'SMOLLM2_135M', 'kv_bytes_per_token', 'kv_capacity', 'expand_kv', 'causal_attention',
            'ContiguousKVCache', 'contiguous_waste', 'sample_workload', 'plot_reservation']
 
-# %% ../nbs/00_kv_cache.ipynb #4004db26
+# %% ../nbs/00_kv_cache.ipynb #9ba6b735
 import math, time
 import torch, torch.nn.functional as F
 
-# %% ../nbs/00_kv_cache.ipynb #3ac5f38b
+# %% ../nbs/00_kv_cache.ipynb #cd3347bf
 def _get(cfg, *names, default=None):
     for n in names:
         v = cfg.get(n) if isinstance(cfg, dict) else getattr(cfg, n, None)
@@ -28,12 +28,12 @@ def kv_bytes_per_token(cfg, dtype_bytes=2):
     if isinstance(dtype_bytes, torch.dtype): dtype_bytes = torch.empty(0, dtype=dtype_bytes).element_size()
     return 2*layers*kv_heads*head_dim*dtype_bytes
 
-# %% ../nbs/00_kv_cache.ipynb #a4421ee3
+# %% ../nbs/00_kv_cache.ipynb #3482f265
 LLAMA2_13B = dict(num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=40, hidden_size=5120, num_params=13.0e9)
 LLAMA3_8B = dict(num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, hidden_size=4096, num_params=8.0e9)
 SMOLLM2_135M = dict(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64, hidden_size=576, num_params=0.135e9)
 
-# %% ../nbs/00_kv_cache.ipynb #a6e38293
+# %% ../nbs/00_kv_cache.ipynb #449ac056
 def kv_capacity(cfg, gpu_bytes, dtype_bytes=2, utilization=1.0, max_model_len=None):
     "Tokens of KV that fit beside the weights, and requests of `max_model_len` if each reserved that much."
     weights = cfg["num_params"]*dtype_bytes
@@ -43,7 +43,7 @@ def kv_capacity(cfg, gpu_bytes, dtype_bytes=2, utilization=1.0, max_model_len=No
     return dict(weights_gb=weights/1e9, kv_gb=free/1e9, kv_tokens=tokens,
                 requests_at_max_len=tokens//max_model_len if max_model_len else None)
 
-# %% ../nbs/00_kv_cache.ipynb #80a683c0
+# %% ../nbs/00_kv_cache.ipynb #8f28e3c1
 def expand_kv(k, n_rep):
     "Repeat K/V heads for grouped-query attention: `[T, KVH, D] -> [T, KVH*n_rep, D]`."
     return k if n_rep == 1 else k.repeat_interleave(n_rep, dim=1)
@@ -56,7 +56,7 @@ def causal_attention(q, k, v, scale=None):
     o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale)
     return o.transpose(0, 1)
 
-# %% ../nbs/00_kv_cache.ipynb #414df60c
+# %% ../nbs/00_kv_cache.ipynb #25a0be76
 class ContiguousKVCache:
     "Attention backend that reserves `max_model_len` K/V slots per request up front, the way pre-paging servers did."
     def __init__(self, num_layers, num_kv_heads, head_dim, max_model_len, max_num_seqs=1, dtype=torch.float32, device="cpu"):
@@ -101,7 +101,7 @@ class ContiguousKVCache:
         return dict(reserved_slots=reserved, used_slots=used, waste=1 - used/reserved,
                     reserved_bytes=2*self.k.numel()*self.k.element_size())
 
-# %% ../nbs/00_kv_cache.ipynb #9196c234
+# %% ../nbs/00_kv_cache.ipynb #ac60baa4
 def contiguous_waste(workload, max_model_len):
     "Fraction of reserved KV slots never used when each `(prompt_len, output_len)` request reserves `max_model_len`."
     used = sum(p + o for p, o in workload)
@@ -116,7 +116,7 @@ def sample_workload(n=200, prompt_mean=200, output_mean=300, max_model_len=2048,
     p, o = p.round().clamp(1, max_model_len//2).long(), o.round().clamp(1, max_model_len//2).long()
     return list(zip(p.tolist(), o.tolist()))
 
-# %% ../nbs/00_kv_cache.ipynb #8e303fa4
+# %% ../nbs/00_kv_cache.ipynb #fc67c253
 def plot_reservation(workload, max_model_len, n=24):
     "Bar chart of used versus reserved-but-empty KV slots per request under contiguous reservation."
     import plotly.graph_objects as go

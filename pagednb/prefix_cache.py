@@ -8,7 +8,7 @@ Docs: https://pagednb.github.io/pagednb/prefix_cache.html.md"""
 __all__ = ['hash_block', 'compute_block_hashes', 'PrefixCacheStats', 'PrefixCachingBlockManager', 'make_block_manager',
            'replay_requests']
 
-# %% ../nbs/03_prefix_cache.ipynb #cbbe2a7b
+# %% ../nbs/03_prefix_cache.ipynb #aeed8b9b
 import hashlib, struct, sys
 from array import array
 from collections import deque
@@ -17,7 +17,7 @@ from fastcore.basics import patch
 from .block_manager import (BlockManager, Sequence, Block, NoFreeBlocksError, InvalidBlockError, UnknownSequenceError,
                                    BlockManagerError, memory_snapshot, plot_memory_map)
 
-# %% ../nbs/03_prefix_cache.ipynb #3e6588e9
+# %% ../nbs/03_prefix_cache.ipynb #1ee1382a
 _ROOT = b"\0"*32          # the parent of a sequence's first block
 _KEY_TYPES = (str, int, float, bytes, bool, type(None), tuple)
 
@@ -34,7 +34,7 @@ def hash_block(parent_hash: bytes | None, token_ids, extra_keys=None) -> bytes:
         h.update(repr(keys).encode())
     return h.digest()
 
-# %% ../nbs/03_prefix_cache.ipynb #75b1845e
+# %% ../nbs/03_prefix_cache.ipynb #c2fdd93c
 def compute_block_hashes(seq, block_size: int, num_blocks: int) -> list:
     "Extend `seq.block_hashes` to its first `num_blocks` full blocks (the hash chain) and return it."
     hs = seq.block_hashes
@@ -46,7 +46,7 @@ def compute_block_hashes(seq, block_size: int, num_blocks: int) -> list:
         hs.append(hash_block(hs[i - 1] if i else None, toks[i*block_size:(i + 1)*block_size], extra))
     return hs
 
-# %% ../nbs/03_prefix_cache.ipynb #211b7119
+# %% ../nbs/03_prefix_cache.ipynb #0189ea53
 @dataclass
 class PrefixCacheStats:
     "Prefix-cache counters: tokens queried and hit (once per admitted sequence), blocks evicted, blocks registered."
@@ -90,7 +90,7 @@ class PrefixCachingBlockManager(BlockManager):
         q, h = self.num_queries, self.num_hits
         return PrefixCacheStats(q, h, h/q if q else 0.0, self.num_evictions, len(self.hash_to_block))
 
-# %% ../nbs/03_prefix_cache.ipynb #ae578e94
+# %% ../nbs/03_prefix_cache.ipynb #80245278
 @patch
 def get_computed_blocks(self: PrefixCachingBlockManager, seq) -> list[int]:
     "Blocks holding the longest cached prefix of `seq` in whole blocks, leaving at least one token to compute; a pure lookup."
@@ -103,7 +103,7 @@ def get_computed_blocks(self: PrefixCachingBlockManager, seq) -> list[int]:
         out.append(b)
     return out
 
-# %% ../nbs/03_prefix_cache.ipynb #97c82dd7
+# %% ../nbs/03_prefix_cache.ipynb #6e1f8cc8
 @patch
 def allocate(self: PrefixCachingBlockManager, seq, num_new_tokens: int, computed_blocks=(), num_lookahead_slots: int = 0):
     "`BlockManager.allocate`, checking that prefix-cache hits are still valid and counting hit statistics on admission."
@@ -139,7 +139,7 @@ def cache_blocks(self: PrefixCachingBlockManager, seq, num_computed_tokens: int)
         # else: this block is registered already (a hit, or shared by fork), or another block holds the same prefix
     self._num_hashed[seq.seq_id] = n
 
-# %% ../nbs/03_prefix_cache.ipynb #0fced26b
+# %% ../nbs/03_prefix_cache.ipynb #9af9f981
 @patch
 def deallocate(self: PrefixCachingBlockManager, seq):
     "`BlockManager.deallocate`; registered blocks whose count reaches 0 become cached-free, tail first (evicted first)."
@@ -184,12 +184,12 @@ def check_invariants(self: PrefixCachingBlockManager, seqs=None):
     assert set(self._num_hashed) <= set(self.seqs), f"bookkeeping kept for freed sequences {set(self._num_hashed) - set(self.seqs)}"
     return True
 
-# %% ../nbs/03_prefix_cache.ipynb #dee9b697
+# %% ../nbs/03_prefix_cache.ipynb #1a60c786
 def make_block_manager(num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True, watermark: float = 0.01) -> BlockManager:
     "A `PrefixCachingBlockManager` or a plain `BlockManager`, as vLLM's `enable_prefix_caching` chooses."
     return (PrefixCachingBlockManager if enable_prefix_caching else BlockManager)(num_blocks, block_size, watermark)
 
-# %% ../nbs/03_prefix_cache.ipynb #362baeae
+# %% ../nbs/03_prefix_cache.ipynb #3ff579d3
 def replay_requests(bm: BlockManager, prompts, output_len: int = 16, max_num_seqs: int = 16, max_num_batched_tokens: int = 2048,
                     snapshot_at: int | None = None, seed: int = 0) -> dict:
     "Run `prompts` (lists of token ids) through `bm` with a toy continuous-batching loop; usage per step, stats, prefill work."

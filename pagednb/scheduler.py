@@ -8,14 +8,14 @@ Docs: https://pagednb.github.io/pagednb/scheduler.html.md"""
 __all__ = ['SequenceStatus', 'Sequence', 'ScheduledSeq', 'StepPlan', 'SchedulerConfig', 'Scheduler', 'schedule', 'update',
            'finish', 'simulate', 'plot_steps']
 
-# %% ../nbs/05_scheduler.ipynb #ad8fff7f
+# %% ../nbs/05_scheduler.ipynb #27ad506d
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 import itertools, time
 from .block_manager import Sequence as _BlockSequence, BlockManager
 
-# %% ../nbs/05_scheduler.ipynb #6b60cf83
+# %% ../nbs/05_scheduler.ipynb #9e68acc3
 class SequenceStatus(str, Enum):
     WAITING = "waiting"; RUNNING = "running"; FINISHED = "finished"
 
@@ -35,7 +35,7 @@ class Sequence(_BlockSequence):
     @property
     def num_output_tokens(self): return self.num_tokens - self.num_prompt_tokens
 
-# %% ../nbs/05_scheduler.ipynb #7473632b
+# %% ../nbs/05_scheduler.ipynb #d9eb20a8
 @dataclass
 class ScheduledSeq:
     "One sequence in a step: compute its tokens `[start, start + num_new_tokens)`."
@@ -62,7 +62,7 @@ class StepPlan:
         extra = f" preempted {self.preempted}" if self.preempted else ""
         return f"{self.num_batched_tokens}/{self.token_budget} tokens [{' '.join(parts)}]{extra}"
 
-# %% ../nbs/05_scheduler.ipynb #baf2d523
+# %% ../nbs/05_scheduler.ipynb #fc539e88
 @dataclass
 class SchedulerConfig:
     "The knobs of the scheduler, with vLLM's names."
@@ -79,7 +79,7 @@ class SchedulerConfig:
                              f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len}); "
                              f"raise it or set enable_chunked_prefill=True")
 
-# %% ../nbs/05_scheduler.ipynb #dd2d7be2
+# %% ../nbs/05_scheduler.ipynb #db0f399f
 class Scheduler:
     "Continuous batching over a `BlockManager`: decodes first, then prompt chunks under the token budget."
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
@@ -97,7 +97,7 @@ class Scheduler:
     def __repr__(self):
         return f"Scheduler(waiting={[s.seq_id for s in self.waiting]}, running={[s.seq_id for s in self.running]})"
 
-# %% ../nbs/05_scheduler.ipynb #c95ea420
+# %% ../nbs/05_scheduler.ipynb #cdb2811b
 def _preempt(self: Scheduler, seq: Sequence, plan: StepPlan):
     plan.freed[seq.seq_id] = list(seq.block_table)
     self.bm.deallocate(seq)
@@ -116,7 +116,7 @@ def _take(self: Scheduler, seq, n, plan, hits=(), k=0):
     plan.scheduled.append(ScheduledSeq(seq, n, start, kind, k))
 Scheduler._take = _take
 
-# %% ../nbs/05_scheduler.ipynb #44074827
+# %% ../nbs/05_scheduler.ipynb #fbf99064
 def schedule(self: Scheduler) -> StepPlan:
     "Decide the next step: which sequences run, with how many new tokens each."
     c, bm = self.config, self.bm
@@ -148,7 +148,7 @@ def schedule(self: Scheduler) -> StepPlan:
     return plan
 Scheduler.schedule = schedule
 
-# %% ../nbs/05_scheduler.ipynb #3b3b513c
+# %% ../nbs/05_scheduler.ipynb #6ae3f5e2
 def update(self: Scheduler, plan: StepPlan, computed=None):
     "Record that the plan's tokens are computed; return the scheduled sequences that now need a sampled token."
     ready = []
@@ -168,7 +168,7 @@ def finish(self: Scheduler, seq: Sequence):
     seq.status = SequenceStatus.FINISHED
 Scheduler.finish = finish
 
-# %% ../nbs/05_scheduler.ipynb #58fc89ab
+# %% ../nbs/05_scheduler.ipynb #e503c1bd
 def simulate(scheduler: Scheduler, seqs, output_len, max_steps=10_000, on_step=None):
     "Run `seqs` through `scheduler` with a stand-in model that appends token 0; returns the step plans."
     out_len = output_len if isinstance(output_len, dict) else {s.seq_id: output_len for s in seqs}
@@ -184,7 +184,7 @@ def simulate(scheduler: Scheduler, seqs, output_len, max_steps=10_000, on_step=N
         if on_step: on_step(plan)
     return plans
 
-# %% ../nbs/05_scheduler.ipynb #871798b3
+# %% ../nbs/05_scheduler.ipynb #193b224e
 def plot_steps(plans, title="Tokens per step under the budget"):
     "Stacked bars of each step's prefill and decode tokens against the token budget."
     import plotly.graph_objects as go

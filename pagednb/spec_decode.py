@@ -9,13 +9,13 @@ __all__ = ['METHODS', 'parse_speculative_config', 'ngram_propose', 'greedy_accep
            'chi_square', 'TruncatedDraft', 'DraftModelProposer', 'SpecDecoder', 'propose', 'after_forward', 'verify',
            'metrics', 'plot_speculation']
 
-# %% ../nbs/07_speculative.ipynb #1131d9d0
+# %% ../nbs/07_speculative.ipynb #6c7e82fe
 import dataclasses, time
 import numpy as np, torch, torch.nn as nn
 from numpy.lib.stride_tricks import sliding_window_view
 from .sampling import probabilities
 
-# %% ../nbs/07_speculative.ipynb #20a5f37e
+# %% ../nbs/07_speculative.ipynb #6aaa0e3e
 METHODS = ("ngram", "draft_model")
 
 def parse_speculative_config(cfg: dict) -> dict:
@@ -39,7 +39,7 @@ def parse_speculative_config(cfg: dict) -> dict:
     if d is not None and (not isinstance(d, int) or d < 1): raise ValueError(f"speculative_config disable_by_batch_size={d!r} must be an integer >= 1 or None")
     return c
 
-# %% ../nbs/07_speculative.ipynb #3e6d5397
+# %% ../nbs/07_speculative.ipynb #779be1c8
 def ngram_propose(token_ids, k, max_n=4, min_n=1):
     "Prompt lookup: the up-to-`k` tokens that followed the latest earlier occurrence of the last n tokens."
     a = np.asarray(token_ids)
@@ -48,7 +48,7 @@ def ngram_propose(token_ids, k, max_n=4, min_n=1):
         if hits.size: i = hits[-1] + n; return a[i:i+k].tolist()
     return []
 
-# %% ../nbs/07_speculative.ipynb #e4d2f1a6
+# %% ../nbs/07_speculative.ipynb #5ec902fb
 def greedy_accept(target_tokens, drafts):
     "Tokens kept by greedy verification: the matching prefix of `drafts`, then the target's next token."
     t = list(target_tokens); a = 0
@@ -68,7 +68,7 @@ def rejection_accept(p, drafts, q=None, generator=None):
     if dist.sum() <= 0: dist = p[a]                         # p == q: any draw from p is exact
     return list(drafts[:a]) + [int(torch.multinomial(dist/dist.sum(), 1, generator=generator))]
 
-# %% ../nbs/07_speculative.ipynb #6dfd422a
+# %% ../nbs/07_speculative.ipynb #4ab1ba9c
 def first_token_histogram(p, q, n=20000, seed=0, sampler=None):
     "Histogram of the first token emitted when draft tokens drawn from `q [V]` are verified against `p [2, V]`."
     g = torch.Generator().manual_seed(seed); counts = torch.zeros(p.shape[-1])
@@ -87,7 +87,7 @@ def chi_square(counts, probs):
     df = torch.tensor(float(keep.sum() - 1), dtype=torch.float64)
     return float(stat), float(torch.special.gammaincc(df/2, stat/2))    # the chi-square survival function
 
-# %% ../nbs/07_speculative.ipynb #7aa433b4
+# %% ../nbs/07_speculative.ipynb #dd6920f3
 class TruncatedDraft(nn.Module):
     "A draft model made of the target's embedding, first `num_layers` decoder layers, final norm and head (weights shared)."
     def __init__(self, target, num_layers):
@@ -103,7 +103,7 @@ class TruncatedDraft(nn.Module):
         return self.norm(x)
     def compute_logits(self, hidden): return self.lm_head(hidden).float()
 
-# %% ../nbs/07_speculative.ipynb #250abd1f
+# %% ../nbs/07_speculative.ipynb #209dd1a9
 class DraftModelProposer:
     "Proposes `k` tokens per sequence with a small model that shares the engine's block tables."
     def __init__(self, engine, draft):
@@ -147,7 +147,7 @@ class DraftModelProposer:
                 drafts[i].append(t); qs[i].append(probs[r])
         return drafts, [torch.stack(q) if q else None for q in qs]
 
-# %% ../nbs/07_speculative.ipynb #4923b07c
+# %% ../nbs/07_speculative.ipynb #5f950565
 class SpecDecoder:
     "Speculative decoding for the engine: lookahead, proposals, verification and its metrics."
     def __init__(self, config, proposer=None):
@@ -186,7 +186,7 @@ class SpecDecoder:
         if p.max_tokens is not None: room = min(room, p.max_tokens - seq.num_output_tokens - 1)
         return max(0, min(self.k, room))
 
-# %% ../nbs/07_speculative.ipynb #0b370c65
+# %% ../nbs/07_speculative.ipynb #a144a48f
 def propose(self: SpecDecoder, engine, plan):
     "Append drafts to every scheduled sequence that has lookahead slots; returns {seq_id: drafts}."
     if self.proposer is not None:                                # copy-on-write for the draft's cache too
@@ -233,7 +233,7 @@ def metrics(self: SpecDecoder):
                 spec_acceptance_per_position=[a/n if n else 0.0 for a, n in zip(self.accepted_at, self.proposed_at)])
 SpecDecoder.metrics = metrics
 
-# %% ../nbs/07_speculative.ipynb #0b6f7dbc
+# %% ../nbs/07_speculative.ipynb #2ef3d054
 def plot_speculation(steps, decode=None, max_steps=12):
     "Each verify step of each sequence: drafts accepted (green) or rejected (red), then the target's own token (blue)."
     import plotly.graph_objects as go
