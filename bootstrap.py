@@ -3,11 +3,12 @@
 
     python3 bootstrap.py demo      # the main job: the embedded model answering chat prompts
     python3 bootstrap.py test      # every test: notebooks (nbdev-test), pytest, export/clean in step
+    python3 bootstrap.py docs      # the docs site, offline, into docs/_build/html
     python3 bootstrap.py setup     # only the set-up
 
 Needs only Python 3.10+. Set-up is skipped when pyproject.toml has not changed since the last one.
 """
-import hashlib, os, subprocess, sys, venv
+import hashlib, os, shutil, subprocess, sys, venv
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
@@ -44,7 +45,17 @@ def env():
 def demo(args):
     sh(BIN/"pagednb", "demo", *args, env=env())
 
+def ensure_chromium():
+    "The browser tests drive Debian's chromium; install it where we may (root with apt-get), else they skip."
+    if shutil.which("chromium"): return
+    if hasattr(os, "geteuid") and os.geteuid() == 0 and shutil.which("apt-get"):
+        q = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+        subprocess.run(["apt-get", "update", "-qq"], env=q)
+        subprocess.run(["apt-get", "install", "-y", "-qq", "chromium"], env=q, stdout=subprocess.DEVNULL)
+    if not shutil.which("chromium"): print("chromium is not installed: the browser tests will be skipped", flush=True)
+
 def test(args):
+    ensure_chromium()
     e = env()
     sh(PY, "-c", "from pagednb.model import embedded_model_path; embedded_model_path()", env=e)   # convert once, before parallel notebooks
     sh(BIN/"nbdev-export", env=e); sh(BIN/"nbdev-clean", env=e)
@@ -58,6 +69,6 @@ def test(args):
     sh(PY, "-m", "pytest", "tests", "-q", *args, env=e)
 
 if __name__ == "__main__":
-    jobs = dict(demo=demo, test=test, setup=lambda a: None)
+    jobs = dict(demo=demo, test=test, docs=lambda a: sh(PY, "docs/build.py", *a, env=env()), setup=lambda a: None)
     if len(sys.argv) < 2 or sys.argv[1] not in jobs: sys.exit(__doc__)
     setup(); jobs[sys.argv[1]](sys.argv[2:])

@@ -9,7 +9,7 @@ __all__ = ['logger', 'GiB', 'BACKENDS', 'StepInputs', 'PagedAttentionBackend', '
            'LLMEngine', 'validate', 'add_request', 'abort_request', 'has_unfinished_requests', 'step', 'get_metrics',
            'LLM', 'generate', 'chat', 'StreamDelta', 'stream_deltas', 'stream']
 
-# %% ../nbs/06_engine.ipynb #5dc3a0fe
+# %% ../nbs/06_engine.ipynb #a5ba7674
 import math, os, time, itertools, logging
 from dataclasses import dataclass, field
 import torch
@@ -23,7 +23,7 @@ from .sampling import SamplingParams, CompletionOutput, RequestOutput, RequestMe
 
 logger = logging.getLogger("pagednb")
 
-# %% ../nbs/06_engine.ipynb #5b9493e9
+# %% ../nbs/06_engine.ipynb #48f2ca6a
 @dataclass
 class StepInputs:
     "The flat tensors of one step."
@@ -38,7 +38,7 @@ class PagedAttentionBackend:
         store_kv(k, v, kc, vc, x.slot_mapping, backend=self.backend)
         return paged_attention(q, kc, vc, x.block_tables, x.seq_lens, x.query_start_loc, self.scale, backend=self.backend)
 
-# %% ../nbs/06_engine.ipynb #fbf0657a
+# %% ../nbs/06_engine.ipynb #b43a5122
 class ModelRunner:
     "Runs the model over the paged KV cache for a step plan."
     def __init__(self, model, num_blocks, block_size, attention_backend=None):
@@ -75,7 +75,7 @@ class ModelRunner:
         idx = torch.repeat_interleave(end - c, c) + torch.arange(int(c.sum()), device=self.device) - torch.repeat_interleave(c.cumsum(0) - c, c)
         return self.model.compute_logits(h[idx])
 
-# %% ../nbs/06_engine.ipynb #5a860249
+# %% ../nbs/06_engine.ipynb #829b63fa
 GiB = 1 << 30
 
 def _available_ram():
@@ -122,7 +122,7 @@ def num_kv_blocks(model, block_size, max_model_len, max_num_batched_tokens, gpu_
                          f"or lower max_model_len")
     return n, block_bytes
 
-# %% ../nbs/06_engine.ipynb #ef5735a7
+# %% ../nbs/06_engine.ipynb #d9436f1c
 class Request:
     "One request: its prompt, `SamplingParams`, the sequences that generate its `n` outputs, and their text."
     def __init__(self, request_id, prompt, prompt_token_ids, params, arrival_time=None):
@@ -134,7 +134,7 @@ class Request:
     def finished(self): return len(self.finish_reasons) == self.params.n
     def output_ids(self, s): return s.token_ids[s.num_prompt_tokens:]
 
-# %% ../nbs/06_engine.ipynb #a82851c5
+# %% ../nbs/06_engine.ipynb #37387872
 BACKENDS = ("torch", "triton")
 
 class LLMEngine:
@@ -173,7 +173,7 @@ class LLMEngine:
             self.spec = SpecDecoder.from_config(speculative_config, self)
             self.scheduler.lookahead = self.spec.lookahead
 
-# %% ../nbs/06_engine.ipynb #986fa537
+# %% ../nbs/06_engine.ipynb #629af29a
 def _eos_ids(self):
     ids = self.model_config.eos_token_id
     ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
@@ -229,7 +229,7 @@ LLMEngine.abort_request = abort_request
 def has_unfinished_requests(self): return self.scheduler.has_unfinished or bool(self._aborts)
 LLMEngine.has_unfinished_requests = has_unfinished_requests
 
-# %% ../nbs/06_engine.ipynb #22c6351e
+# %% ../nbs/06_engine.ipynb #f997ce1d
 def _finish(self, seq, reason):
     req = seq.request
     req.finish_reasons[seq.index] = reason
@@ -268,7 +268,7 @@ def _mask_min_tokens(self, logits, seqs):
     return logits
 LLMEngine._mask_min_tokens = _mask_min_tokens
 
-# %% ../nbs/06_engine.ipynb #19151de2
+# %% ../nbs/06_engine.ipynb #fad11ed5
 def _fork_children(self, seq):
     req = seq.request
     kids = []
@@ -290,7 +290,7 @@ def _logprobs(self, logits, seqs, toks):
         s.request.logprobs.setdefault(s.index, []).append(entry)
 LLMEngine._logprobs = _logprobs
 
-# %% ../nbs/06_engine.ipynb #5dbf4c76
+# %% ../nbs/06_engine.ipynb #ceb1c808
 def _sample_rows(self, rows, logits):
     "Sample one token for each ready row; a request with `n > 1` forks at the end of its prompt. Returns {seq: [token]}."
     seqs, lrows = [], []
@@ -318,7 +318,7 @@ def _emit(self, seq, new_tokens):
     return None
 LLMEngine._emit = _emit
 
-# %% ../nbs/06_engine.ipynb #5c6ac805
+# %% ../nbs/06_engine.ipynb #2220d88c
 def step(self):
     "Run one engine step; returns a `RequestOutput` for every request that made progress or finished."
     for rid in list(self._aborts):
@@ -330,6 +330,7 @@ def step(self):
     self._aborts.clear()
     t0 = time.perf_counter()
     plan = self.scheduler.schedule()
+    self.stats["kv_cache_usage_peak"] = max(self.stats.get("kv_cache_usage_peak", 0.0), self.block_manager.usage)
     touched = {}
     if not plan.is_empty:
         drafts = self.spec.propose(self, plan) if self.spec else {}          # seq_id -> draft tokens, appended to token_ids
@@ -367,7 +368,7 @@ def step(self):
     return [self._output(r) for r in touched.values()] + self._drain_aborted()
 LLMEngine.step = step
 
-# %% ../nbs/06_engine.ipynb #815668c1
+# %% ../nbs/06_engine.ipynb #e9d4655e
 def _output(self, req):
     outs = []
     for s in sorted(req.seqs, key=lambda s: s.index):
@@ -383,7 +384,7 @@ def _drain_aborted(self):
     return [self._output(r) for r in done]
 LLMEngine._drain_aborted = _drain_aborted
 
-# %% ../nbs/06_engine.ipynb #10f07eb7
+# %% ../nbs/06_engine.ipynb #a9f7c35c
 def get_metrics(self):
     "KV usage and waste, prefix-cache hits, preemptions, token counts and throughput."
     bm, bs = self.block_manager, self.block_manager.block_size
@@ -392,7 +393,8 @@ def get_metrics(self):
     held = sum(min(s.num_tokens, len(s.block_table)*bs) for s in live)
     st = bm.prefix_cache_stats if getattr(bm, "enable_prefix_caching", False) else None
     busy = max(self.stats["busy_time"], 1e-9)
-    return dict(kv_cache_usage=bm.usage, kv_cache_waste=(1 - held/alloc) if alloc else 0.0,
+    return dict(kv_cache_usage=bm.usage, kv_cache_usage_peak=self.stats.get("kv_cache_usage_peak", 0.0),
+                kv_cache_waste=(1 - held/alloc) if alloc else 0.0,
                 num_blocks=bm.num_blocks, num_free_blocks=bm.num_free_blocks,
                 prefix_cache_queries=st.queries if st else 0, prefix_cache_hits=st.hits if st else 0,
                 prefix_cache_hit_rate=st.hit_rate if st else 0.0, num_preemptions=self.scheduler.num_preemptions,
@@ -402,7 +404,7 @@ def get_metrics(self):
                 num_steps=self.stats["steps"], **(self.spec.metrics() if self.spec else {}))
 LLMEngine.get_metrics = get_metrics
 
-# %% ../nbs/06_engine.ipynb #dc88acec
+# %% ../nbs/06_engine.ipynb #b25340b0
 class LLM:
     "vLLM's offline entry point over the paged engine; `model=None` is the embedded SmolLM2-135M-Instruct."
     def __init__(self, model=None, trace=False, **kwargs):
@@ -426,7 +428,7 @@ class LLM:
         base = f"{time.time_ns():x}"
         return [self.engine.add_request(f"{base}-{i}", p, sp or SamplingParams()).request_id for i, (p, sp) in enumerate(zip(prompts, sps))]
 
-# %% ../nbs/06_engine.ipynb #2b71fa9b
+# %% ../nbs/06_engine.ipynb #9808dbe4
 def generate(self, prompts, sampling_params=None, use_tqdm=True):
     "Generate for a batch of prompts (strings or token-id lists); returns `RequestOutput`s in input order."
     from tqdm.auto import tqdm
@@ -453,7 +455,7 @@ def chat(self, messages, sampling_params=None, use_tqdm=True, add_generation_pro
     return self.generate(prompts, sampling_params, use_tqdm)
 LLM.chat = chat
 
-# %% ../nbs/06_engine.ipynb #975db66f
+# %% ../nbs/06_engine.ipynb #921f8933
 @dataclass
 class StreamDelta:
     "A new piece of one output's text."

@@ -140,6 +140,7 @@ def test_triton_backend_tiny_model(tmp_path):
               max_num_batched_tokens=16)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     for p, o in zip(prompts, outs):
-        ref = hf.generate(torch.tensor([p]), max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
+        x = torch.tensor([p])       # an explicit mask: random prompts may contain the pad id, which generate would mask out
+        ref = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
         assert o.outputs[0].token_ids == ref
     check_all_free(llm)

@@ -25,7 +25,8 @@ def test_greedy_cached_matches_hf_generate(family, tmp_path):
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 17, 40)]
     ours = greedy_generate(model, prompts, 20)                      # one ragged batch, contiguous cache
     for p, o in zip(prompts, ours):
-        ref = hf.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False, min_new_tokens=20, pad_token_id=0)[0, len(p):]
+        x = torch.tensor([p])       # an explicit mask: random prompts may contain the pad id, which generate would mask out
+        ref = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=20, do_sample=False, min_new_tokens=20, pad_token_id=0)[0, len(p):]
         assert o == ref.tolist()
     assert greedy_generate(model, prompts, 20, use_cache=False) == ours
 
