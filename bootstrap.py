@@ -65,7 +65,8 @@ def test(args):
             print("nbdev-export / nbdev-clean changed files: commit notebooks and pagednb/ in step, cleaned.\n" + diff, flush=True)
             subprocess.run(["git", "--no-pager", "diff", "--stat", "--", "nbs", "pagednb"], cwd=ROOT)
             sys.exit(1)
-    sh(BIN/"nbdev-test", "--n-workers", "2", "--timing", env=e)
+    # two notebooks at a time on two cores: one BLAS thread each, or they fight over the cores
+    sh(BIN/"nbdev-test", "--n-workers", "2", "--timing", env=dict(e, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1"))
     sh(PY, "-m", "pytest", "tests", "-q", *args, env=e)
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ __all__ = ['logger', 'GiB', 'BACKENDS', 'StepInputs', 'PagedAttentionBackend', '
            'LLMEngine', 'validate', 'add_request', 'abort_request', 'has_unfinished_requests', 'step', 'get_metrics',
            'LLM', 'generate', 'chat', 'StreamDelta', 'stream_deltas', 'stream']
 
-# %% ../nbs/06_engine.ipynb #a5ba7674
+# %% ../nbs/06_engine.ipynb #18efb34a
 import math, os, time, itertools, logging
 from dataclasses import dataclass, field
 import torch
@@ -23,7 +23,7 @@ from .sampling import SamplingParams, CompletionOutput, RequestOutput, RequestMe
 
 logger = logging.getLogger("pagednb")
 
-# %% ../nbs/06_engine.ipynb #48f2ca6a
+# %% ../nbs/06_engine.ipynb #cb1ac084
 @dataclass
 class StepInputs:
     "The flat tensors of one step."
@@ -38,7 +38,7 @@ class PagedAttentionBackend:
         store_kv(k, v, kc, vc, x.slot_mapping, backend=self.backend)
         return paged_attention(q, kc, vc, x.block_tables, x.seq_lens, x.query_start_loc, self.scale, backend=self.backend)
 
-# %% ../nbs/06_engine.ipynb #b43a5122
+# %% ../nbs/06_engine.ipynb #e8e2f433
 class ModelRunner:
     "Runs the model over the paged KV cache for a step plan."
     def __init__(self, model, num_blocks, block_size, attention_backend=None):
@@ -75,7 +75,7 @@ class ModelRunner:
         idx = torch.repeat_interleave(end - c, c) + torch.arange(int(c.sum()), device=self.device) - torch.repeat_interleave(c.cumsum(0) - c, c)
         return self.model.compute_logits(h[idx])
 
-# %% ../nbs/06_engine.ipynb #829b63fa
+# %% ../nbs/06_engine.ipynb #6c4d26dd
 GiB = 1 << 30
 
 def _available_ram():
@@ -122,7 +122,7 @@ def num_kv_blocks(model, block_size, max_model_len, max_num_batched_tokens, gpu_
                          f"or lower max_model_len")
     return n, block_bytes
 
-# %% ../nbs/06_engine.ipynb #d9436f1c
+# %% ../nbs/06_engine.ipynb #b4061dcc
 class Request:
     "One request: its prompt, `SamplingParams`, the sequences that generate its `n` outputs, and their text."
     def __init__(self, request_id, prompt, prompt_token_ids, params, arrival_time=None):
@@ -134,7 +134,7 @@ class Request:
     def finished(self): return len(self.finish_reasons) == self.params.n
     def output_ids(self, s): return s.token_ids[s.num_prompt_tokens:]
 
-# %% ../nbs/06_engine.ipynb #37387872
+# %% ../nbs/06_engine.ipynb #fbd736bb
 BACKENDS = ("torch", "triton")
 
 class LLMEngine:
@@ -173,7 +173,7 @@ class LLMEngine:
             self.spec = SpecDecoder.from_config(speculative_config, self)
             self.scheduler.lookahead = self.spec.lookahead
 
-# %% ../nbs/06_engine.ipynb #629af29a
+# %% ../nbs/06_engine.ipynb #d241db37
 def _eos_ids(self):
     ids = self.model_config.eos_token_id
     ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
@@ -229,7 +229,7 @@ LLMEngine.abort_request = abort_request
 def has_unfinished_requests(self): return self.scheduler.has_unfinished or bool(self._aborts)
 LLMEngine.has_unfinished_requests = has_unfinished_requests
 
-# %% ../nbs/06_engine.ipynb #f997ce1d
+# %% ../nbs/06_engine.ipynb #92ff2d16
 def _finish(self, seq, reason):
     req = seq.request
     req.finish_reasons[seq.index] = reason
@@ -268,7 +268,7 @@ def _mask_min_tokens(self, logits, seqs):
     return logits
 LLMEngine._mask_min_tokens = _mask_min_tokens
 
-# %% ../nbs/06_engine.ipynb #fad11ed5
+# %% ../nbs/06_engine.ipynb #16599edb
 def _fork_children(self, seq):
     req = seq.request
     kids = []
@@ -290,7 +290,7 @@ def _logprobs(self, logits, seqs, toks):
         s.request.logprobs.setdefault(s.index, []).append(entry)
 LLMEngine._logprobs = _logprobs
 
-# %% ../nbs/06_engine.ipynb #ceb1c808
+# %% ../nbs/06_engine.ipynb #b44a977b
 def _sample_rows(self, rows, logits):
     "Sample one token for each ready row; a request with `n > 1` forks at the end of its prompt. Returns {seq: [token]}."
     seqs, lrows = [], []
@@ -318,7 +318,7 @@ def _emit(self, seq, new_tokens):
     return None
 LLMEngine._emit = _emit
 
-# %% ../nbs/06_engine.ipynb #2220d88c
+# %% ../nbs/06_engine.ipynb #6f44b034
 def step(self):
     "Run one engine step; returns a `RequestOutput` for every request that made progress or finished."
     for rid in list(self._aborts):
@@ -368,7 +368,7 @@ def step(self):
     return [self._output(r) for r in touched.values()] + self._drain_aborted()
 LLMEngine.step = step
 
-# %% ../nbs/06_engine.ipynb #e9d4655e
+# %% ../nbs/06_engine.ipynb #ff36f360
 def _output(self, req):
     outs = []
     for s in sorted(req.seqs, key=lambda s: s.index):
@@ -384,7 +384,7 @@ def _drain_aborted(self):
     return [self._output(r) for r in done]
 LLMEngine._drain_aborted = _drain_aborted
 
-# %% ../nbs/06_engine.ipynb #a9f7c35c
+# %% ../nbs/06_engine.ipynb #cc275e8a
 def get_metrics(self):
     "KV usage and waste, prefix-cache hits, preemptions, token counts and throughput."
     bm, bs = self.block_manager, self.block_manager.block_size
@@ -404,7 +404,7 @@ def get_metrics(self):
                 num_steps=self.stats["steps"], **(self.spec.metrics() if self.spec else {}))
 LLMEngine.get_metrics = get_metrics
 
-# %% ../nbs/06_engine.ipynb #b25340b0
+# %% ../nbs/06_engine.ipynb #450bcdd5
 class LLM:
     "vLLM's offline entry point over the paged engine; `model=None` is the embedded SmolLM2-135M-Instruct."
     def __init__(self, model=None, trace=False, **kwargs):
@@ -428,7 +428,7 @@ class LLM:
         base = f"{time.time_ns():x}"
         return [self.engine.add_request(f"{base}-{i}", p, sp or SamplingParams()).request_id for i, (p, sp) in enumerate(zip(prompts, sps))]
 
-# %% ../nbs/06_engine.ipynb #9808dbe4
+# %% ../nbs/06_engine.ipynb #4f6d94b4
 def generate(self, prompts, sampling_params=None, use_tqdm=True):
     "Generate for a batch of prompts (strings or token-id lists); returns `RequestOutput`s in input order."
     from tqdm.auto import tqdm
@@ -455,7 +455,7 @@ def chat(self, messages, sampling_params=None, use_tqdm=True, add_generation_pro
     return self.generate(prompts, sampling_params, use_tqdm)
 LLM.chat = chat
 
-# %% ../nbs/06_engine.ipynb #921f8933
+# %% ../nbs/06_engine.ipynb #fc306ea2
 @dataclass
 class StreamDelta:
     "A new piece of one output's text."
