@@ -10,6 +10,10 @@ from pathlib import Path
 import pytest
 from docs_browser import Browser, broken_internal_links, have_browser, serve
 
+# The docs build executes every notebook a second time; until it is confirmed to fit CI's time, it runs on request.
+pytestmark = pytest.mark.skipif(os.environ.get("PAGEDNB_DOCS_TESTS") != "1",
+                                reason="set PAGEDNB_DOCS_TESTS=1 to build and browse the docs site (executes every notebook)")
+
 ROOT = Path(__file__).resolve().parents[1]
 BUILD_PY = ROOT/"docs"/"build.py"
 SHOTS = ROOT/"docs"/"_build"/"screenshots"
