@@ -503,6 +503,9 @@ def build(force=False, only=(), nbs=None, out=None, build_dir=None, jobs=None, s
     timings["process"] = time.time() - t0
     os.environ["JUPYTER_PATH"] = os.pathsep.join([str(_kernelspec(build))] + [x for x in os.environ.get("JUPYTER_PATH", "").split(os.pathsep) if x])
     os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
+    n_workers = jobs or min(2, os.cpu_count() or 1)            # as bootstrap.py's nbdev-test --n-workers 2
+    for v in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):           # and, as there, one BLAS pool per core, not a fight
+        os.environ.setdefault(v, str(max(1, (os.cpu_count() or 1)//n_workers)))
     t0 = time.time()
     _log(f"{len(nb_paths)} notebooks; executing {len(jobs_)} ({len(nb_paths) - len(jobs_)} unchanged since their last run)")
     def keep_run(name, text):
@@ -510,7 +513,7 @@ def build(force=False, only=(), nbs=None, out=None, build_dir=None, jobs=None, s
         nb.metadata["pagednb_docs"] = pre[name]
         cache.mkdir(parents=True, exist_ok=True)
         nbformat.write(nb, cache/f"{name}.ipynb")
-    execute_all(jobs_, jobs or min(2, os.cpu_count() or 1), keep_run)
+    execute_all(jobs_, n_workers, keep_run)
     timings["execute"] = time.time() - t0
 
     # 3: the Sphinx source tree
