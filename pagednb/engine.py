@@ -129,7 +129,6 @@ class Request:
         self.request_id, self.prompt, self.prompt_token_ids, self.params = request_id, prompt, list(prompt_token_ids), params
         self.metrics = RequestMetrics(arrival_time or time.time())
         self.seqs, self.texts, self.finish_reasons, self.logprobs = [], {}, {}, {}
-        self.sent = {}                                   # index -> length of text already streamed
     @property
     def finished(self): return len(self.finish_reasons) == self.params.n
     def output_ids(self, s): return s.token_ids[s.num_prompt_tokens:]
