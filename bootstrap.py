@@ -42,6 +42,10 @@ def env():
     e.pop("PYTHONPATH", None)
     return e
 
+def test_env():
+    "Tests and notebooks run Triton's kernels in its interpreter: set before any process imports triton."
+    return dict(env(), TRITON_INTERPRET=os.environ.get("TRITON_INTERPRET", "1"))
+
 def demo(args):
     sh(BIN/"pagednb", "demo", *args, env=env())
 
@@ -56,7 +60,7 @@ def ensure_chromium():
 
 def test(args):
     ensure_chromium()
-    e = env()
+    e = test_env()
     sh(PY, "-c", "from pagednb.model import embedded_model_path; embedded_model_path()", env=e)   # convert once, before parallel notebooks
     sh(BIN/"nbdev-export", env=e); sh(BIN/"nbdev-clean", env=e)
     if (ROOT/".git").exists():
