@@ -7,8 +7,8 @@ Docs: https://pagednb.github.io/pagednb/paged_attention.html.md"""
 # %% auto #0
 __all__ = ['INTERPRETED', 'MIXED_INTERPRETER', 'LOG2E', 'MIN_SPLIT_TOKENS', 'MAX_SPLITS', 'BACKENDS', 'gather_slots',
            'paged_attention_spec', 'PagedProblem', 'make_paged_problem', 'contiguous_attention', 'check_attention_args',
-           'check_seq_metadata', 'check_block_tables', 'paged_attention_torch', 'check_store_args', 'check_slots',
-           'store_kv_torch', 'decode_bytes', 'store_kv_triton', 'paged_decode_naive', 'paged_decode',
+           'check_seq_metadata', 'check_block_tables', 'length_buckets', 'paged_attention_torch', 'check_store_args',
+           'check_slots', 'store_kv_torch', 'decode_bytes', 'store_kv_triton', 'paged_decode_naive', 'paged_decode',
            'paged_attention_multi', 'AttentionPlan', 'plan_attention', 'paged_attention_triton', 'trace_pages',
            'plot_pages_read', 'default_backend', 'check_triton_device', 'store_kv', 'paged_attention']
 
@@ -209,7 +209,8 @@ def _attend_padded(out, query, k_cache, v_cache, block_tables, seqs, lens, qsl, 
     q0 = torch.tensor([qsl[s] for s in seqs], device=dev)
     n_pages = -(-max(lens[s] for s in seqs) // bs)
     P = n_pages * bs
-    bt = block_tables if n == block_tables.shape[0] else block_tables[torch.tensor(seqs, device=dev)]
+    same = n == block_tables.shape[0] and all(s == i for i, s in enumerate(seqs))
+    bt = block_tables if same else block_tables[torch.tensor(seqs, device=dev)]
     blocks = bt[:, :n_pages].reshape(-1).long().clamp_(0, k_cache.shape[0] - 1)  # padding entries: any block
     k = _gather_pages(k_cache, blocks, 'k').view(n * P, kvh, D)                  # whole pages, in order
     v = _gather_pages(v_cache, blocks, 'v').view(n * P, kvh, D)
@@ -242,16 +243,26 @@ def _attend_one(out, query, k_cache, v_cache, block_tables, s, L, q0, q1, scale)
     out[q0:q1] = o[0].transpose(0, 1).to(out.dtype)
 
 # %% ../nbs/04_paged_attention.ipynb #2bcdb2ee
-def paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale):
-    "The torch backend: the spec's numbers, with decode-like sequences batched and every data check done."
+def length_buckets(seqs, lens, slack=0.25, min_size=4):
+    "Split `seqs` into groups of similar `lens`: each group's longest is at most `1 + slack` times its shortest (groups of at least `min_size`)."
+    if slack is None: return [list(seqs)] if len(seqs) else []
+    groups, cur = [], []
+    for s in sorted(seqs, key=lambda s: lens[s]):
+        if len(cur) >= min_size and lens[s] > (1 + slack) * lens[cur[0]]: groups.append(cur); cur = []
+        cur.append(s)
+    return groups + [cur] if cur else groups
+
+def paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, bucket_slack=0.25):
+    "The torch backend: the spec's numbers, with decode-like sequences batched by length and every data check done."
     H, kvh, D, bs = check_attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
     lens, qsl = seq_lens.tolist(), query_start_loc.tolist()
     check_seq_metadata(lens, qsl, query.shape[0], block_tables.shape[1], bs)
     check_block_tables(block_tables, seq_lens, k_cache.shape[0], bs)
     out = torch.empty_like(query)
     nq = [qsl[s + 1] - qsl[s] for s in range(len(lens))]
-    for group in ([s for s, n in enumerate(nq) if n == 1], [s for s, n in enumerate(nq) if 1 < n <= _PAD_MAX_QUERY]):
-        if group: _attend_padded(out, query, k_cache, v_cache, block_tables, group, lens, qsl, scale)
+    for kind in ([s for s, n in enumerate(nq) if n == 1], [s for s, n in enumerate(nq) if 1 < n <= _PAD_MAX_QUERY]):
+        for group in length_buckets(kind, lens, bucket_slack):
+            _attend_padded(out, query, k_cache, v_cache, block_tables, group, lens, qsl, scale)
     for s, n in enumerate(nq):
         if n > _PAD_MAX_QUERY: _attend_one(out, query, k_cache, v_cache, block_tables, s, lens[s], qsl[s], qsl[s + 1], scale)
     return out
