@@ -7,10 +7,11 @@ Docs: https://pagednb.github.io/pagednb/paged_attention.html.md"""
 # %% auto #0
 __all__ = ['INTERPRETED', 'MIXED_INTERPRETER', 'LOG2E', 'MIN_SPLIT_TOKENS', 'MAX_SPLITS', 'BACKENDS', 'gather_slots',
            'paged_attention_spec', 'PagedProblem', 'make_paged_problem', 'contiguous_attention', 'check_attention_args',
-           'check_seq_metadata', 'check_block_tables', 'length_buckets', 'paged_attention_torch', 'check_store_args',
-           'check_slots', 'store_kv_torch', 'decode_bytes', 'store_kv_triton', 'paged_decode_naive', 'paged_decode',
-           'paged_attention_multi', 'AttentionPlan', 'plan_attention', 'paged_attention_triton', 'trace_pages',
-           'plot_pages_read', 'default_backend', 'check_triton_device', 'store_kv', 'paged_attention']
+           'check_seq_metadata', 'check_block_tables', 'PaddedGroup', 'pad_group', 'length_buckets',
+           'TorchAttentionPlan', 'paged_attention_torch', 'check_store_args', 'check_slots', 'store_kv_torch',
+           'decode_bytes', 'store_kv_triton', 'paged_decode_naive', 'paged_decode', 'paged_attention_multi',
+           'AttentionPlan', 'plan_attention', 'paged_attention_triton', 'trace_pages', 'plot_pages_read',
+           'default_backend', 'check_triton_device', 'store_kv', 'paged_attention']
 
 # %% ../nbs/04_paged_attention.ipynb #c5bc1e4e
 import math, os, sys
@@ -198,12 +199,16 @@ def _gather_pages(cache, blocks, name):
     return torch.index_select(cache, 0, blocks, out=buf[:n].view(blocks.numel(), *cache.shape[1:]))
 
 # %% ../nbs/04_paged_attention.ipynb #714cd50c
-_PAD_MAX_QUERY = 16  # sequences with at most this many query tokens are padded into one batched call
+_PAD_MAX_QUERY = 16  # sequences with at most this many query tokens are padded into batched calls
 
-def _attend_padded(out, query, k_cache, v_cache, block_tables, seqs, lens, qsl, scale):
-    "Attention for the sequences `seqs` at once: gather whole pages, pad to a rectangle, one masked SDPA call."
-    dev, (T, H, D), (_, bs, kvh, _) = query.device, query.shape, k_cache.shape
-    n = len(seqs)
+@dataclass
+class PaddedGroup:
+    "One rectangle of the torch backend: the pages to gather, the padding slots to zero, the query rows, the mask."
+    n: int; P: int; blocks: torch.Tensor; unused: torch.Tensor; rows: torch.Tensor; mask: torch.Tensor
+
+def pad_group(block_tables, seqs, lens, qsl, num_blocks, block_size):
+    "The rectangle for the sequences `seqs`, from the step's metadata alone (so it can be built once per step)."
+    dev, n, bs = block_tables.device, len(seqs), block_size
     L = torch.tensor([lens[s] for s in seqs], device=dev)
     nq = torch.tensor([qsl[s + 1] - qsl[s] for s in seqs], device=dev)
     q0 = torch.tensor([qsl[s] for s in seqs], device=dev)
@@ -211,20 +216,26 @@ def _attend_padded(out, query, k_cache, v_cache, block_tables, seqs, lens, qsl, 
     P = n_pages * bs
     same = n == block_tables.shape[0] and all(s == i for i, s in enumerate(seqs))
     bt = block_tables if same else block_tables[torch.tensor(seqs, device=dev)]
-    blocks = bt[:, :n_pages].reshape(-1).long().clamp_(0, k_cache.shape[0] - 1)  # padding entries: any block
-    k = _gather_pages(k_cache, blocks, 'k').view(n * P, kvh, D)                  # whole pages, in order
-    v = _gather_pages(v_cache, blocks, 'v').view(n * P, kvh, D)
+    blocks = bt[:, :n_pages].reshape(-1).long().clamp_(0, num_blocks - 1)      # padding entries: any block
     pos = torch.arange(P, device=dev)
     unused = (pos[None, :] >= L[:, None]).view(-1).nonzero().squeeze(1)          # slots past each sequence's end
-    if unused.numel(): k.index_fill_(0, unused, 0); v.index_fill_(0, unused, 0)
-    j = torch.minimum(torch.arange(int(nq.max()), device=dev)[None, :], nq[:, None] - 1)  # pad rows repeat the last query
+    mq = max(qsl[s + 1] - qsl[s] for s in seqs)
+    j = torch.minimum(torch.arange(mq, device=dev)[None, :], nq[:, None] - 1)    # pad rows repeat the last query
     rows, qpos = q0[:, None] + j, (L - nq)[:, None] + j                          # [n, mq] token index and position
     mask = pos[None, None, None, :] <= qpos[:, None, :, None]                    # [n, 1, mq, P]
-    q = query[rows].transpose(1, 2)                                              # [n, H, mq, D]
+    return PaddedGroup(n, P, blocks, unused, rows, mask)
+
+def _attend_padded(out, query, k_cache, v_cache, g, scale):
+    "Attention for one rectangle `g`: gather whole pages, zero the padding slots, one masked SDPA call."
+    dev, (T, H, D), (_, bs, kvh, _) = query.device, query.shape, k_cache.shape
+    k = _gather_pages(k_cache, g.blocks, 'k').view(g.n * g.P, kvh, D)            # whole pages, in order
+    v = _gather_pages(v_cache, g.blocks, 'v').view(g.n * g.P, kvh, D)
+    if g.unused.numel(): k.index_fill_(0, g.unused, 0); v.index_fill_(0, g.unused, 0)
+    q = query[g.rows].transpose(1, 2)                                            # [n, H, mq, D]
     if dev.type == 'cpu' and q.dtype != torch.float32: q, k, v = q.float(), k.float(), v.float()
-    o = F.scaled_dot_product_attention(q, k.view(n, P, kvh, D).transpose(1, 2), v.view(n, P, kvh, D).transpose(1, 2),
-                                       attn_mask=mask, scale=scale, enable_gqa=True)
-    out[rows] = o.transpose(1, 2).to(out.dtype)
+    o = F.scaled_dot_product_attention(q, k.view(g.n, g.P, kvh, D).transpose(1, 2), v.view(g.n, g.P, kvh, D).transpose(1, 2),
+                                       attn_mask=g.mask, scale=scale, enable_gqa=True)
+    out[g.rows] = o.transpose(1, 2).to(out.dtype)
 
 # %% ../nbs/04_paged_attention.ipynb #cadf2d1a
 def _attend_one(out, query, k_cache, v_cache, block_tables, s, L, q0, q1, scale):
@@ -252,19 +263,32 @@ def length_buckets(seqs, lens, slack=0.25, min_size=4):
         cur.append(s)
     return groups + [cur] if cur else groups
 
-def paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, bucket_slack=0.25):
-    "The torch backend: the spec's numbers, with decode-like sequences batched by length and every data check done."
+class TorchAttentionPlan:
+    "The torch backend's work that depends only on a step's metadata: checked and built once, reused by every layer."
+    def __init__(self, block_tables, seq_lens, query_start_loc, num_blocks, block_size, num_tokens=None, bucket_slack=0.25):
+        lens, qsl = seq_lens.tolist(), query_start_loc.tolist()
+        self.num_tokens = qsl[-1] if num_tokens is None else num_tokens
+        check_seq_metadata(lens, qsl, self.num_tokens, block_tables.shape[1], block_size)
+        check_block_tables(block_tables, seq_lens, num_blocks, block_size)
+        self.num_blocks, self.block_size = num_blocks, block_size
+        nq = [qsl[s + 1] - qsl[s] for s in range(len(lens))]
+        kinds = ([s for s, n in enumerate(nq) if n == 1], [s for s, n in enumerate(nq) if 1 < n <= _PAD_MAX_QUERY])
+        self.groups = [pad_group(block_tables, g, lens, qsl, num_blocks, block_size)
+                       for kind in kinds for g in length_buckets(kind, lens, bucket_slack)]
+        self.long = [(s, lens[s], qsl[s], qsl[s + 1]) for s, n in enumerate(nq) if n > _PAD_MAX_QUERY]
+    def __repr__(self):
+        return f"TorchAttentionPlan({self.num_tokens} tokens: {len(self.groups)} padded groups {[(g.n, g.P) for g in self.groups]}, {len(self.long)} long)"
+
+def paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, bucket_slack=0.25, plan=None):
+    "The torch backend: the spec's numbers, with decode-like sequences batched by length; `plan` reuses a step's checked metadata."
     H, kvh, D, bs = check_attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
-    lens, qsl = seq_lens.tolist(), query_start_loc.tolist()
-    check_seq_metadata(lens, qsl, query.shape[0], block_tables.shape[1], bs)
-    check_block_tables(block_tables, seq_lens, k_cache.shape[0], bs)
+    if plan is None: plan = TorchAttentionPlan(block_tables, seq_lens, query_start_loc, k_cache.shape[0], bs, query.shape[0], bucket_slack)
+    elif (plan.num_tokens, plan.num_blocks, plan.block_size) != (query.shape[0], k_cache.shape[0], bs):
+        raise ValueError(f"plan was built for {plan.num_tokens} tokens and {plan.num_blocks} blocks of {plan.block_size}, but this call has "
+                         f"{query.shape[0]} tokens and {k_cache.shape[0]} blocks of {bs}: build a TorchAttentionPlan per step")
     out = torch.empty_like(query)
-    nq = [qsl[s + 1] - qsl[s] for s in range(len(lens))]
-    for kind in ([s for s, n in enumerate(nq) if n == 1], [s for s, n in enumerate(nq) if 1 < n <= _PAD_MAX_QUERY]):
-        for group in length_buckets(kind, lens, bucket_slack):
-            _attend_padded(out, query, k_cache, v_cache, block_tables, group, lens, qsl, scale)
-    for s, n in enumerate(nq):
-        if n > _PAD_MAX_QUERY: _attend_one(out, query, k_cache, v_cache, block_tables, s, lens[s], qsl[s], qsl[s + 1], scale)
+    for g in plan.groups: _attend_padded(out, query, k_cache, v_cache, g, scale)
+    for s, L, q0, q1 in plan.long: _attend_one(out, query, k_cache, v_cache, block_tables, s, L, q0, q1, scale)
     return out
 
 # %% ../nbs/04_paged_attention.ipynb #8c7f889a
@@ -722,10 +746,10 @@ def _check_triton_shape(D, bs):
     if not 1 <= D <= 256: raise ValueError(f"the triton backend supports head_dim up to 256, got {D}; use backend='torch'")
 
 def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, backend=None, *,
-                    max_query_len=None, max_seq_len=None, debug=None, variant=None, num_splits=None):
+                    max_query_len=None, max_seq_len=None, debug=None, variant=None, num_splits=None, plan=None):
     "Varlen causal attention of `query` over the paged K/V cache: sequence s's query tokens are its last ones."
     backend = _resolve_backend(backend, query.device if isinstance(query, torch.Tensor) else 'cpu')
-    if backend == 'torch': return paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+    if backend == 'torch': return paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, plan=plan)
     H, kvh, D, bs = check_attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
     _check_triton_shape(D, bs)
     check_triton_device(query.device, query.dtype)

@@ -18,7 +18,7 @@ from .model import load_model, default_device
 from .block_manager import kv_cache_shape
 from .prefix_cache import make_block_manager
 from .scheduler import Scheduler, SchedulerConfig, Sequence, SequenceStatus
-from .attention import store_kv, paged_attention
+from .attention import store_kv, paged_attention, default_backend, TorchAttentionPlan
 from .kv_cache import kv_bytes_per_token
 from .sampling import SamplingParams, CompletionOutput, RequestOutput, RequestMetrics, sample
 
@@ -30,14 +30,25 @@ class StepInputs:
     "The flat tensors of one step."
     input_ids: torch.Tensor; positions: torch.Tensor; slot_mapping: torch.Tensor
     block_tables: torch.Tensor; seq_lens: torch.Tensor; query_start_loc: torch.Tensor
+    max_query_len: int = None; max_seq_len: int = None       # host copies, so that no layer waits on the device for them
 
 class PagedAttentionBackend:
     "The model's attention backend over the paged cache: store this step's K/V at its slots, attend through the block tables."
-    def __init__(self, kv_cache, scale, backend=None): self.kv, self.scale, self.backend, self.inputs = kv_cache, scale, backend, None
+    def __init__(self, kv_cache, scale, backend=None):
+        self.kv, self.scale, self.backend, self.inputs = kv_cache, scale, backend, None
+        self._plan, self._planned = None, None
+    def plan(self, x):
+        "The torch backend's `TorchAttentionPlan` for inputs `x`, built on the first layer of a step and reused by the others."
+        if (self.backend or default_backend(self.kv.device)) != "torch": return None
+        if self._planned is not x:
+            self._plan = TorchAttentionPlan(x.block_tables, x.seq_lens, x.query_start_loc, self.kv.shape[2], self.kv.shape[3], x.input_ids.shape[0])
+            self._planned = x
+        return self._plan
     def __call__(self, layer, q, k, v):
         x, kc, vc = self.inputs, self.kv[0, layer], self.kv[1, layer]
         store_kv(k, v, kc, vc, x.slot_mapping, backend=self.backend)
-        return paged_attention(q, kc, vc, x.block_tables, x.seq_lens, x.query_start_loc, self.scale, backend=self.backend)
+        return paged_attention(q, kc, vc, x.block_tables, x.seq_lens, x.query_start_loc, self.scale, backend=self.backend,
+                               max_query_len=x.max_query_len, max_seq_len=x.max_seq_len, plan=self.plan(x))
 
 # %% ../nbs/06_engine.ipynb #e8e2f433
 class ModelRunner:
@@ -64,7 +75,7 @@ class ModelRunner:
         for i, s in enumerate(sch): bt[i, :len(s.seq.block_table)] = torch.tensor(s.seq.block_table, dtype=torch.int32)
         slots = bt[row, pos//bs].long()*bs + pos % bs
         return StepInputs(torch.tensor(ids, device=dev), pos.to(dev), slots.to(dev), bt.to(dev),
-                          (start + n).to(torch.int32).to(dev), qsl.to(dev))
+                          (start + n).to(torch.int32).to(dev), qsl.to(dev), int(n.max()), int((start + n).max()))
 
     @torch.inference_mode()
     def execute(self, plan, rows, counts=None):
