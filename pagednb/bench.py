@@ -383,7 +383,7 @@ OPEN_PROMPTS = ["Write a short story about a dragon who learns to bake bread.",
                 "Give me five ideas for a rainy weekend, with a sentence about each.",
                 "Explain to a ten-year-old why the sky is blue."]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
-SPEC_CONFIGS = {"off": None, "ngram": NGRAM, "ngram, disable_by_batch_size=8": NGRAM | {"disable_by_batch_size": 8},
+SPEC_CONFIGS = {"off": None, "ngram": NGRAM, "ngram, disable_by_batch_size=4": NGRAM | {"disable_by_batch_size": 4},
                 "draft: self, 8 layers": {"method": "draft_model", "model": "self", "num_layers": 8, "num_speculative_tokens": 3}}
 
 
