@@ -1,4 +1,4 @@
-"""Throughput, prefix caching and chunked prefill, measured side by side with Hugging Face and vLLM in one run.
+"""Throughput, prefix caching, chunked prefill and speculative decoding, measured side by side with Hugging Face and vLLM in one run.
 
 Docs: https://pagednb.github.io/pagednb/benchmarks.html.md"""
 
