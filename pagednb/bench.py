@@ -405,9 +405,10 @@ def bench_spec(parts, quick=False, configs=None, max_tokens=None, batch_size=16)
     max_tokens = max_tokens or (24 if quick else 160)
     chat = lambda ps: [[{"role": "user", "content": p}] for p in ps]
     mixed = (GROUNDED_PROMPTS + OPEN_PROMPTS) * -(-batch_size // (len(GROUNDED_PROMPTS) + len(OPEN_PROMPTS)))
+    together = chat(mixed[:4 if quick else batch_size])
     workloads = {"grounded, batch 1": (chat(GROUNDED_PROMPTS[:2] if quick else GROUNDED_PROMPTS), False),
                  "open-ended, batch 1": (chat(OPEN_PROMPTS[:1] if quick else OPEN_PROMPTS), False),
-                 f"batch {batch_size}": (chat(mixed[:4 if quick else batch_size]), True)}
+                 f"batch {len(together)}": (together, True)}
     rows = []
     for wname, (convs, batch) in workloads.items():
         base = None
@@ -501,7 +502,7 @@ BENCHMARKS = {
                                                                                if ctx["quick"] else make_workload(64, (32, 512), (16, 256)))),
     "spec": lambda ctx: bench_spec(ctx["parts"], quick=ctx["quick"]),
 }
-DEFAULT_BENCHMARKS = ("throughput", "prefix", "chunked")
+DEFAULT_BENCHMARKS = ("throughput", "prefix", "chunked", "spec")
 FORMATTERS = dict(throughput=format_throughput, prefix=format_prefix, chunked=format_chunked, profile=format_profile, spec=format_spec)
 
 def format_report(report) -> str:
