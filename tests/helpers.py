@@ -26,3 +26,8 @@ def tiny_hf_model(family="llama", path=None, seed=0, **kw):
             if n.endswith("bias"): p.normal_(0, 0.1)
     if path is not None: m.save_pretrained(path)
     return m
+
+def chat_ids(tok, conversations):
+    "Token ids of each conversation (a list of `{role, content}` messages, or one user message as a string), ready for the assistant's turn."
+    convs = [[{"role": "user", "content": c}] if isinstance(c, str) else c for c in conversations]
+    return [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False) for c in convs]

@@ -3,6 +3,7 @@ import pytest, torch
 from pagednb.engine import LLM, LLMEngine
 from pagednb.sampling import SamplingParams
 from pagednb.model import load_model, resolve_model
+from helpers import chat_ids
 
 MAX_NEW = 24
 SYSTEM = ("You are a careful assistant for a class on operating systems. Answer in plain words, give one "
@@ -18,9 +19,7 @@ def parts(): return load_model()
 
 @pytest.fixture(scope="module")
 def prompts(parts):
-    tok = parts[1]
-    chats = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}] for q in QUESTIONS]
-    return [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False) for c in chats]
+    return chat_ids(parts[1], [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}] for q in QUESTIONS])
 
 @pytest.fixture(scope="module")
 def reference(parts, prompts):

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest, torch
 from pagednb.model import load_model, greedy_generate, NoCacheAttention, ModelConfig, resolve_model
 import pagednb.model as pm
-from helpers import tiny_hf_model, FAMILIES
+from helpers import tiny_hf_model, FAMILIES, chat_ids
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_logits_match_hf(family, tmp_path):
@@ -36,7 +36,7 @@ def test_embedded_greedy_matches_hf():
     assert (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.vocab_size) == (30, 9, 3, 64, 49152)
     hf = AutoModelForCausalLM.from_pretrained(resolve_model(None), dtype=torch.float32).eval()
     qs = ["Hello!", "List three primes.", "Why is the sky blue? Answer briefly but precisely, for a student."]
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False) for q in qs]
+    prompts = chat_ids(tok, qs)
     ours = greedy_generate(model, prompts, 16, eos_token_id=tok.eos_token_id)
     for p, o in zip(prompts, ours):
         ref = hf.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)

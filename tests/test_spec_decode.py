@@ -3,6 +3,7 @@ import pytest, torch
 from pagednb.engine import LLM
 from pagednb.sampling import SamplingParams
 from pagednb.model import load_model
+from helpers import chat_ids
 from pagednb.spec_decode import rejection_accept, first_token_histogram, chi_square, ngram_propose, parse_speculative_config
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}
@@ -17,8 +18,7 @@ def parts(): return load_model()
 
 @pytest.fixture(scope="module")
 def prompts(parts):
-    tok = parts[1]
-    return [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True, return_dict=False) for t in TEXTS]
+    return chat_ids(parts[1], TEXTS)
 
 @pytest.fixture(scope="module")
 def reference(parts, prompts):
