@@ -179,9 +179,14 @@ def _plan(self: BlockManager, seq, num_new_tokens: int, computed_blocks=(), num_
     else: start, held, revive = seq.num_computed_tokens, len(table), 0
     end = start + num_new_tokens + num_lookahead_slots
     end_blocks = -(-end//bs)
-    cow = [i for i in range(start//bs, min(held, end_blocks)) if blocks[table[i]].ref_count > 1] if end > start and not computed_blocks else []
+    cow = [i for i in range(start//bs, min(held, end_blocks)) if self._needs_copy(blocks[table[i]])] if end > start and not computed_blocks else []
     append = max(0, end_blocks - held)
     return append + len(cow) + revive, append, cow
+
+@patch
+def _needs_copy(self: BlockManager, blk) -> bool:
+    "Whether a block about to be written must be copied first: another sequence holds it too."
+    return blk.ref_count > 1
 
 @patch
 def can_allocate(self: BlockManager, seq, num_new_tokens: int, computed_blocks=(), num_lookahead_slots: int = 0) -> bool:

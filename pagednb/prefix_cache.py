@@ -153,6 +153,11 @@ def fork(self: PrefixCachingBlockManager, parent, child):
     self._num_hashed[child.seq_id] = self._num_hashed.get(parent.seq_id, 0)
 
 @patch
+def _needs_copy(self: PrefixCachingBlockManager, blk) -> bool:
+    "Also copy a registered block before writing: its hash promises its K/V to later lookups (a trim can leave one partly filled)."
+    return blk.ref_count > 1 or blk.block_hash is not None
+
+@patch
 def trim(self: PrefixCachingBlockManager, seq, num_tokens: int):
     "`BlockManager.trim`; drop hashes past `num_tokens`, and un-register a block left partly filled that no one else holds."
     BlockManager.trim(self, seq, num_tokens)

@@ -166,6 +166,20 @@ def test_trim_of_a_shared_registered_block_copies_on_write():
     bm.check_invariants()
 
 
+def test_trimmed_into_registered_block_copies_even_when_the_sharer_is_gone():
+    "Found by the state machine: b trims into a block a still shares; a finishes; b's next write must not change the cached K/V."
+    bm = make_block_manager(8, block_size=4, watermark=0)
+    a = Sequence(0, range(9)); prefill(bm, a)
+    b = Sequence(1, range(9)); prefill(bm, b)                           # shares blocks 0, 1
+    bm.trim(b, 6); del b.token_ids[6:]; b.token_ids.append(77)
+    bm.deallocate(a)                                                    # block 1 is b's alone now, and still registered
+    assert bm.blocks[1].ref_count == 1 and bm.blocks[1].block_hash is not None
+    alloc = bm.allocate(b, 1)
+    assert alloc.copies == [(1, alloc.new_blocks[0])] and b.block_table[1] != 1
+    assert bm.get_computed_blocks(Sequence(2, range(9))) == [0, 1]      # the cached prefix is intact
+    bm.check_invariants()
+
+
 # --- bad input ---
 
 def test_stale_hit_is_refused_and_changes_nothing():
