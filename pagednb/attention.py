@@ -18,6 +18,7 @@ import math, os, sys
 import torch
 import torch.nn.functional as F
 from dataclasses import dataclass, field
+from .cpu_attention import cpu_kernel, cpu_kernel_supports, paged_attention_cpu
 
 # %% ../nbs/04_paged_attention.ipynb #d6809b8f
 def gather_slots(block_tables, s, length, block_size):
@@ -265,29 +266,45 @@ def length_buckets(seqs, lens, slack=0.25, min_size=4):
 
 class TorchAttentionPlan:
     "The torch backend's work that depends only on a step's metadata: checked and built once, reused by every layer."
-    def __init__(self, block_tables, seq_lens, query_start_loc, num_blocks, block_size, num_tokens=None, bucket_slack=0.25):
+    def __init__(self, block_tables, seq_lens, query_start_loc, num_blocks, block_size, num_tokens=None, bucket_slack=0.25, native=None):
         lens, qsl = seq_lens.tolist(), query_start_loc.tolist()
         self.num_tokens = qsl[-1] if num_tokens is None else num_tokens
         check_seq_metadata(lens, qsl, self.num_tokens, block_tables.shape[1], block_size)
         check_block_tables(block_tables, seq_lens, num_blocks, block_size)
         self.num_blocks, self.block_size = num_blocks, block_size
         nq = [qsl[s + 1] - qsl[s] for s in range(len(lens))]
-        kinds = ([s for s, n in enumerate(nq) if n == 1], [s for s, n in enumerate(nq) if 1 < n <= _PAD_MAX_QUERY])
-        self.groups = [pad_group(block_tables, g, lens, qsl, num_blocks, block_size)
-                       for kind in kinds for g in length_buckets(kind, lens, bucket_slack)]
+        self._kinds = ([s for s, n in enumerate(nq) if n == 1], [s for s, n in enumerate(nq) if 1 < n <= _PAD_MAX_QUERY])
+        self._meta, self._groups = (block_tables, lens, qsl, bucket_slack), None
+        short = sorted(self._kinds[0] + self._kinds[1], key=lambda s: -lens[s])   # longest first: threads share the work evenly
+        if native is None: native = block_tables.device.type == 'cpu' and cpu_kernel() is not None
+        self.native = torch.tensor(short, dtype=torch.int32) if native and short else None   # sequences for the CPU kernel
+        if self.native is None: self.groups                                                    # build the rectangles now
         self.long = [(s, lens[s], qsl[s], qsl[s + 1]) for s, n in enumerate(nq) if n > _PAD_MAX_QUERY]
+    @property
+    def groups(self):
+        "The padded rectangles of the short sequences (built on first use: a plan for the CPU kernel needs them only as a fallback)."
+        if self._groups is None:
+            bt, lens, qsl, slack = self._meta
+            self._groups = [pad_group(bt, g, lens, qsl, self.num_blocks, self.block_size)
+                            for kind in self._kinds for g in length_buckets(kind, lens, slack)]
+        return self._groups
     def __repr__(self):
-        return f"TorchAttentionPlan({self.num_tokens} tokens: {len(self.groups)} padded groups {[(g.n, g.P) for g in self.groups]}, {len(self.long)} long)"
+        short = f"{len(self.native)} short on the CPU kernel" if self.native is not None else \
+                f"{len(self.groups)} padded groups {[(g.n, g.P) for g in self.groups]}"
+        return f"TorchAttentionPlan({self.num_tokens} tokens: {short}, {len(self.long)} long)"
 
-def paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, bucket_slack=0.25, plan=None):
-    "The torch backend: the spec's numbers, with decode-like sequences batched by length; `plan` reuses a step's checked metadata."
+def paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, bucket_slack=0.25, plan=None, native=None):
+    "The torch backend: the spec's numbers, with decode-like sequences batched by length (or on the CPU kernel); `plan` reuses a step's checked metadata."
     H, kvh, D, bs = check_attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
-    if plan is None: plan = TorchAttentionPlan(block_tables, seq_lens, query_start_loc, k_cache.shape[0], bs, query.shape[0], bucket_slack)
+    if plan is None: plan = TorchAttentionPlan(block_tables, seq_lens, query_start_loc, k_cache.shape[0], bs, query.shape[0], bucket_slack, native)
     elif (plan.num_tokens, plan.num_blocks, plan.block_size) != (query.shape[0], k_cache.shape[0], bs):
         raise ValueError(f"plan was built for {plan.num_tokens} tokens and {plan.num_blocks} blocks of {plan.block_size}, but this call has "
                          f"{query.shape[0]} tokens and {k_cache.shape[0]} blocks of {bs}: build a TorchAttentionPlan per step")
     out = torch.empty_like(query)
-    for g in plan.groups: _attend_padded(out, query, k_cache, v_cache, g, scale)
+    if plan.native is not None and cpu_kernel_supports(query, k_cache):
+        paged_attention_cpu(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, seqs=plan.native, out=out, checked=True)
+    else:
+        for g in plan.groups: _attend_padded(out, query, k_cache, v_cache, g, scale)
     for s, L, q0, q1 in plan.long: _attend_one(out, query, k_cache, v_cache, block_tables, s, L, q0, q1, scale)
     return out
 

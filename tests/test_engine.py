@@ -143,3 +143,13 @@ def test_triton_backend_tiny_model(tmp_path):
         ref = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)[0, len(p):].tolist()
         assert o.outputs[0].token_ids == ref
     check_all_free(llm)
+
+def test_cpu_kernel_on_and_off(parts, prompts, reference, monkeypatch):
+    "On a CPU the torch backend's short sequences run on the C++ kernel; switched off, SDPA gives the same tokens."
+    from pagednb.cpu_attention import cpu_kernel
+    if cpu_kernel() is None: pytest.skip("no C++ compiler here: the kernel is unavailable (the fallback is what every other test ran)")
+    llm, got = run(parts, prompts, max_model_len=1024)
+    assert got == reference and llm.engine.runner.attn._plan.native is not None      # the last step's decodes used the kernel
+    monkeypatch.setenv("PAGEDNB_CPU_KERNEL", "0")
+    llm, got = run(parts, prompts, max_model_len=1024)
+    assert got == reference and llm.engine.runner.attn._plan.native is None

@@ -1,0 +1,73 @@
+"The CPU attention kernel against the spec: shapes, threads, partial writes, bad input, and the fallback when it cannot be built."
+import random, warnings
+import pytest, torch
+import pagednb.cpu_attention as C
+from pagednb.attention import make_paged_problem, paged_attention_spec, paged_attention_torch, TorchAttentionPlan
+
+pytestmark = pytest.mark.skipif(C.cpu_kernel() is None, reason="no C++ compiler: the kernel is unavailable here")
+
+SHAPES = [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 32, 8), (14, 2, 64, 32), (8, 1, 16, 16), (16, 2, 64, 16), (6, 2, 128, 64)]
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("seed", range(3))
+def test_matches_spec(shape, seed):
+    H, kvh, D, bs = shape
+    rng = random.Random(seed)
+    lens = [rng.randint(1, 300) for _ in range(rng.randint(1, 9))]
+    qlens = [min(L, rng.choice([1, 1, 2, 5, 16, 40])) for L in lens]     # decode, verify-sized and prefill queries
+    p = make_paged_problem(lens, qlens, num_heads=H, num_kv_heads=kvh, head_dim=D, block_size=bs, seed=seed).fill()
+    torch.testing.assert_close(C.paged_attention_cpu(*p.args), paged_attention_spec(*p.args), atol=2e-5, rtol=2e-5)
+
+def test_shared_prefix_and_no_nan():
+    p = make_paged_problem([64, 80, 100], [1, 3, 16], num_heads=9, num_kv_heads=3, shared_prefix=48, seed=4).fill()
+    out = C.paged_attention_cpu(*p.args)      # the cache holds NaN in every slot no sequence owns
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, paged_attention_spec(*p.args), atol=2e-5, rtol=2e-5)
+
+def test_threads_agree_and_only_given_rows_are_written():
+    p = make_paged_problem([5, 200, 33, 120, 17, 64, 300, 1], num_heads=9, num_kv_heads=3, seed=2).fill()
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1); one = C.paged_attention_cpu(*p.args)
+        torch.set_num_threads(2); two = C.paged_attention_cpu(*p.args)
+    finally: torch.set_num_threads(n)
+    torch.testing.assert_close(one, two, atol=0, rtol=0)              # each sequence is summed by one thread, in one order
+    out = torch.full_like(p.query, 3.0)
+    C.paged_attention_cpu(*p.args, seqs=torch.tensor([1, 6]), out=out)
+    assert (out[[0, 2, 3, 4, 5, 7]] == 3.0).all()
+    torch.testing.assert_close(out[[1, 6]], one[[1, 6]])
+
+def test_torch_backend_same_with_and_without_kernel():
+    p = make_paged_problem([13, 30, 40, 45, 9, 120], [1, 4, 40, 20, 1, 1], num_heads=6, num_kv_heads=2, head_dim=64, block_size=8, seed=3).fill()
+    bt, lens, qsl, nb = p.block_tables, p.seq_lens, p.query_start_loc, p.k_cache.shape[0]
+    native, plain = TorchAttentionPlan(bt, lens, qsl, nb, 8), TorchAttentionPlan(bt, lens, qsl, nb, 8, native=False)
+    assert native.native.tolist() == [5, 1, 0, 4] and plain.native is None and len(native.long) == 2
+    torch.testing.assert_close(paged_attention_torch(*p.args, plan=native), paged_attention_torch(*p.args, plan=plain), atol=2e-5, rtol=2e-5)
+    half = make_paged_problem([13, 30], num_heads=6, num_kv_heads=2, head_dim=64, block_size=8, dtype=torch.bfloat16).fill()
+    torch.testing.assert_close(paged_attention_torch(*half.args), paged_attention_spec(*half.args), atol=2e-2, rtol=2e-2)  # bf16: SDPA fallback
+
+def test_bad_input():
+    p = make_paged_problem([20, 9], num_heads=4, num_kv_heads=2, head_dim=32, block_size=8).fill()
+    bad = p.block_tables.clone(); bad[0, 1] = 10_000
+    with pytest.raises(IndexError, match="out of range"): C.paged_attention_cpu(p.query, p.k_cache, p.v_cache, bad, *p.args[4:])
+    with pytest.raises(ValueError, match="float32"): C.paged_attention_cpu(p.query.bfloat16(), p.k_cache.bfloat16(), p.v_cache.bfloat16(), *p.args[3:])
+    q = make_paged_problem([20, 9], num_heads=4, num_kv_heads=2, head_dim=48, block_size=8).fill()
+    with pytest.raises(ValueError, match="head_dim in"): C.paged_attention_cpu(*q.args)
+    with pytest.raises(ValueError, match="out must be"): C.paged_attention_cpu(*p.args, out=torch.empty(3, 4, 32))
+
+def test_build_failure_falls_back(tmp_path, monkeypatch):
+    "A compiler that fails: a clear error from the build, one warning, and the torch backend still right."
+    with pytest.raises(RuntimeError, match="could not compile"): C.build_cpu_kernel(cache=tmp_path, cxx="/bin/false")
+    monkeypatch.setattr(C, "_KERNEL", {})
+    monkeypatch.setenv("PAGEDNB_CACHE", str(tmp_path)); monkeypatch.setenv("CXX", "/bin/false")
+    monkeypatch.setattr(C, "find_cxx", lambda: "/bin/false")
+    with pytest.warns(UserWarning, match="unavailable"): assert C.cpu_kernel() is None
+    p = make_paged_problem([20, 9], num_heads=4, num_kv_heads=2, head_dim=32, block_size=8).fill()
+    torch.testing.assert_close(paged_attention_torch(*p.args), paged_attention_spec(*p.args), atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="unavailable"): C.paged_attention_cpu(*p.args)
+
+def test_switched_off(monkeypatch):
+    monkeypatch.setenv("PAGEDNB_CPU_KERNEL", "0")
+    assert C.cpu_kernel() is None
+    p = make_paged_problem([20, 9], num_heads=4, num_kv_heads=2, head_dim=32, block_size=8).fill()
+    assert TorchAttentionPlan(p.block_tables, p.seq_lens, p.query_start_loc, p.k_cache.shape[0], 8).native is None
