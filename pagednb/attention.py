@@ -14,7 +14,7 @@ __all__ = ['INTERPRETED', 'MIXED_INTERPRETER', 'LOG2E', 'MIN_SPLIT_TOKENS', 'MAX
            'default_backend', 'check_triton_device', 'store_kv', 'paged_attention']
 
 # %% ../nbs/04_paged_attention.ipynb #c5bc1e4e
-import math, os, sys
+import functools, math, os, sys
 import torch
 import torch.nn.functional as F
 from dataclasses import dataclass, field
@@ -274,20 +274,16 @@ class TorchAttentionPlan:
         self.num_blocks, self.block_size = num_blocks, block_size
         nq = [qsl[s + 1] - qsl[s] for s in range(len(lens))]
         self._kinds = ([s for s, n in enumerate(nq) if n == 1], [s for s, n in enumerate(nq) if 1 < n <= _PAD_MAX_QUERY])
-        self._meta, self._groups = (block_tables, lens, qsl, bucket_slack), None
+        self._meta = (block_tables, lens, qsl, bucket_slack)
         short = sorted(self._kinds[0] + self._kinds[1], key=lambda s: -lens[s])   # longest first: threads share the work evenly
         if native is None: native = block_tables.device.type == 'cpu' and cpu_kernel() is not None
         self.native = torch.tensor(short, dtype=torch.int32) if native and short else None   # sequences for the CPU kernel
-        if self.native is None: self.groups                                                    # build the rectangles now
         self.long = [(s, lens[s], qsl[s], qsl[s + 1]) for s, n in enumerate(nq) if n > _PAD_MAX_QUERY]
-    @property
+    @functools.cached_property
     def groups(self):
-        "The padded rectangles of the short sequences (built on first use: a plan for the CPU kernel needs them only as a fallback)."
-        if self._groups is None:
-            bt, lens, qsl, slack = self._meta
-            self._groups = [pad_group(bt, g, lens, qsl, self.num_blocks, self.block_size)
-                            for kind in self._kinds for g in length_buckets(kind, lens, slack)]
-        return self._groups
+        "The padded rectangles of the short sequences, built on first use (with the CPU kernel, only if it cannot take the tensors)."
+        bt, lens, qsl, slack = self._meta
+        return [pad_group(bt, g, lens, qsl, self.num_blocks, self.block_size) for kind in self._kinds for g in length_buckets(kind, lens, slack)]
     def __repr__(self):
         short = f"{len(self.native)} short on the CPU kernel" if self.native is not None else \
                 f"{len(self.groups)} padded groups {[(g.n, g.P) for g in self.groups]}"

@@ -462,7 +462,8 @@ def profile_pagednb(parts, workload, **llm_kwargs):
                                  (model, "forward", "forward"), (model, "compute_logits", "lm_head"), (E, "sample", "sampling"),
                                  (E, "store_kv", "attention"), (E, "paged_attention", "attention"),
                                  (A, "check_block_tables", "checks"), (A, "check_seq_metadata", "checks"), (A, "check_slots", "checks"),
-                                 (A, "check_attention_args", "checks"), (A, "check_store_args", "checks")]:
+                                 (A, "check_attention_args", "checks"), (A, "check_store_args", "checks"),
+                                 (A, "paged_attention_cpu", "kernel"), (A, "_attend_padded", "sdpa"), (A, "_attend_one", "sdpa")]:
             _patch(obj, name, sw, stage, undo)
         for m in model.modules():      # the runner may have packed them (`PackedLinear`, on a CPU)
             if isinstance(m, (nn.Linear, E.PackedLinear)) and m is not model.lm_head: _patch(m, "forward", sw, "linear", undo)
@@ -474,7 +475,9 @@ def profile_pagednb(parts, workload, **llm_kwargs):
             if old is None: delattr(obj, name)
             else: setattr(obj, name, old)
     t, steps = sw.t, eng.stats["steps"] - steps0
-    parts_s = {"linear layers (model)": t.get("linear", 0), "attention: store_kv + paged_attention": t.get("attention", 0) - t.get("checks", 0),
+    attn = {"attention: decode on the CPU kernel": t.get("kernel", 0), "attention: SDPA (prefills; decodes without the kernel)": t.get("sdpa", 0)}
+    attn["attention: store_kv, plans, glue"] = t.get("attention", 0) - t.get("checks", 0) - sum(attn.values())
+    parts_s = {"linear layers (model)": t.get("linear", 0)} | attn | {
                "attention: argument checks": t.get("checks", 0),
                "model: norms, RoPE, SiLU, embedding, dispatch": t.get("forward", 0) - t.get("linear", 0) - t.get("attention", 0),
                "lm_head (compute_logits)": t.get("lm_head", 0), "schedule + update": t.get("schedule", 0),

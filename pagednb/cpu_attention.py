@@ -242,8 +242,8 @@ def _i32(t): return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(
 
 def paged_attention_cpu(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, seqs=None, out=None, checked=False):
     "Paged attention on the CPU kernel, reading pages in place; only the rows of `seqs` (default: all) are written into `out`."
-    from pagednb.attention import check_attention_args, check_seq_metadata, check_block_tables
     if not checked:
+        from pagednb.attention import check_attention_args, check_seq_metadata, check_block_tables
         check_attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
         check_seq_metadata(seq_lens.tolist(), query_start_loc.tolist(), query.shape[0], block_tables.shape[1], k_cache.shape[1])
         check_block_tables(block_tables, seq_lens, k_cache.shape[0], k_cache.shape[1])
@@ -265,5 +265,6 @@ def paged_attention_cpu(query, k_cache, v_cache, block_tables, seq_lens, query_s
     rc = lib.pagednb_paged_attention_f32(out.data_ptr(), query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), bt.data_ptr(),
                                          bt.stride(0), lens.data_ptr(), qsl.data_ptr(), seqs.data_ptr(), seqs.numel(),
                                          H, kvh, D, bs, float(scale), torch.get_num_threads())
-    if rc: raise MemoryError(f"the CPU attention kernel failed (code {rc}): out of memory for its per-thread buffers")
+    if rc == 1: raise MemoryError("the CPU attention kernel could not allocate its per-thread buffers")
+    if rc: raise RuntimeError(f"the CPU attention kernel refused the call (code {rc}: no compiled variant for H={H}, kv heads={kvh}, D={D})")
     return out
