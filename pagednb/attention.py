@@ -275,9 +275,9 @@ class TorchAttentionPlan:
         nq = [qsl[s + 1] - qsl[s] for s in range(len(lens))]
         self._kinds = ([s for s, n in enumerate(nq) if n == 1], [s for s, n in enumerate(nq) if 1 < n <= _PAD_MAX_QUERY])
         self._meta = (block_tables, lens, qsl, bucket_slack)
-        short = sorted(self._kinds[0] + self._kinds[1], key=lambda s: -lens[s])   # longest first: threads share the work evenly
         if native is None: native = block_tables.device.type == 'cpu' and cpu_kernel() is not None
-        self.native = torch.tensor(short, dtype=torch.int32) if native and short else None   # sequences for the CPU kernel
+        costly = sorted(range(len(lens)), key=lambda s: -lens[s]*nq[s])   # costliest first: threads share the work evenly
+        self.native = torch.tensor(costly, dtype=torch.int32) if native and costly else None   # every sequence, on the CPU kernel
         self.long = [(s, lens[s], qsl[s], qsl[s + 1]) for s, n in enumerate(nq) if n > _PAD_MAX_QUERY]
     @functools.cached_property
     def groups(self):
@@ -285,12 +285,11 @@ class TorchAttentionPlan:
         bt, lens, qsl, slack = self._meta
         return [pad_group(bt, g, lens, qsl, self.num_blocks, self.block_size) for kind in self._kinds for g in length_buckets(kind, lens, slack)]
     def __repr__(self):
-        short = f"{len(self.native)} short on the CPU kernel" if self.native is not None else \
-                f"{len(self.groups)} padded groups {[(g.n, g.P) for g in self.groups]}"
-        return f"TorchAttentionPlan({self.num_tokens} tokens: {short}, {len(self.long)} long)"
+        if self.native is not None: return f"TorchAttentionPlan({self.num_tokens} tokens: {len(self.native)} sequences on the CPU kernel)"
+        return f"TorchAttentionPlan({self.num_tokens} tokens: {len(self.groups)} padded groups {[(g.n, g.P) for g in self.groups]}, {len(self.long)} long)"
 
 def paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, bucket_slack=0.25, plan=None, native=None):
-    "The torch backend: the spec's numbers, with decode-like sequences batched by length (or on the CPU kernel); `plan` reuses a step's checked metadata."
+    "The torch backend: the spec's numbers, on the CPU kernel where it can, else decode-like sequences batched by length and SDPA per prefill; `plan` reuses a step's checked metadata."
     H, kvh, D, bs = check_attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
     if plan is None: plan = TorchAttentionPlan(block_tables, seq_lens, query_start_loc, k_cache.shape[0], bs, query.shape[0], bucket_slack, native)
     elif (plan.num_tokens, plan.num_blocks, plan.block_size) != (query.shape[0], k_cache.shape[0], bs):
@@ -298,9 +297,8 @@ def paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, query
                          f"{query.shape[0]} tokens and {k_cache.shape[0]} blocks of {bs}: build a TorchAttentionPlan per step")
     out = torch.empty_like(query)
     if plan.native is not None and cpu_kernel_supports(query, k_cache):
-        paged_attention_cpu(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, seqs=plan.native, out=out, checked=True)
-    else:
-        for g in plan.groups: _attend_padded(out, query, k_cache, v_cache, g, scale)
+        return paged_attention_cpu(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, seqs=plan.native, out=out, checked=True)
+    for g in plan.groups: _attend_padded(out, query, k_cache, v_cache, g, scale)
     for s, L, q0, q1 in plan.long: _attend_one(out, query, k_cache, v_cache, block_tables, s, L, q0, q1, scale)
     return out
 

@@ -475,7 +475,7 @@ def profile_pagednb(parts, workload, **llm_kwargs):
             if old is None: delattr(obj, name)
             else: setattr(obj, name, old)
     t, steps = sw.t, eng.stats["steps"] - steps0
-    attn = {"attention: decode on the CPU kernel": t.get("kernel", 0), "attention: SDPA (prefills; decodes without the kernel)": t.get("sdpa", 0)}
+    attn = {"attention: the CPU kernel (decodes and prefills)": t.get("kernel", 0), "attention: SDPA (only without the kernel)": t.get("sdpa", 0)}
     attn["attention: store_kv, plans, glue"] = t.get("attention", 0) - t.get("checks", 0) - sum(attn.values())
     parts_s = {"linear layers (model)": t.get("linear", 0)} | attn | {
                "attention: argument checks": t.get("checks", 0),

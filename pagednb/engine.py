@@ -21,6 +21,8 @@ from .scheduler import Scheduler, SchedulerConfig, Sequence, SequenceStatus
 from .attention import store_kv, paged_attention, default_backend, TorchAttentionPlan
 from .kv_cache import kv_bytes_per_token
 from .sampling import SamplingParams, CompletionOutput, RequestOutput, RequestMetrics, sample
+from .cpu_ops import fuse_for_cpu
+from .cpu_attention import zeros_huge_pages
 
 logger = logging.getLogger("pagednb")
 
@@ -57,9 +59,10 @@ class ModelRunner:
         c, w = model.config, model.lm_head.weight
         self.model, self.block_size, self.device = model, block_size, w.device
         if pack_weights is None: pack_weights = can_pack(w) and os.environ.get("PAGEDNB_PACK_WEIGHTS", "1") != "0"
+        self.fused = fuse_for_cpu(model) if pack_weights else 0          # CPU: merged q/k/v, gate/up and C++ elementwise ops (04b)
         self.packed = pack_linears(model) if pack_weights else 0          # CPU: oneDNN-packed weights (below)
         shape = (2, c.num_hidden_layers) + kv_cache_shape(num_blocks, block_size, c.num_key_value_heads, c.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=w.dtype, device=w.device)
+        self.kv_cache = zeros_huge_pages(shape, w.dtype) if w.device.type == "cpu" else torch.zeros(shape, dtype=w.dtype, device=w.device)
         self.attn = PagedAttentionBackend(self.kv_cache, c.head_dim**-0.5, attention_backend)
 
     def prepare_inputs(self, plan) -> StepInputs:

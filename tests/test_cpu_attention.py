@@ -1,5 +1,6 @@
 "The CPU attention kernel against the spec: shapes, threads, partial writes, bad input, and the fallback when it cannot be built."
 import random, warnings
+from pathlib import Path
 import pytest, torch
 import pagednb.cpu_attention as C
 from pagednb.attention import make_paged_problem, paged_attention_spec, paged_attention_torch, TorchAttentionPlan
@@ -37,11 +38,20 @@ def test_threads_agree_and_only_given_rows_are_written():
     assert (out[[0, 2, 3, 4, 5, 7]] == 3.0).all()
     torch.testing.assert_close(out[[1, 6]], one[[1, 6]])
 
+def test_prefill_tiles():
+    "Prefills run in tiles of 16 query tokens: fresh prompts, prompts after a cached prefix, tiles cut mid-page, 1 and 2 threads."
+    p = make_paged_problem([100, 37, 75, 16, 17], [100, 37, 33, 16, 1], num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, seed=5).fill()
+    ref, n = paged_attention_spec(*p.args), torch.get_num_threads()
+    try:
+        for nt in (1, 2):
+            torch.set_num_threads(nt); torch.testing.assert_close(C.paged_attention_cpu(*p.args), ref, atol=2e-5, rtol=2e-5)
+    finally: torch.set_num_threads(n)
+
 def test_torch_backend_same_with_and_without_kernel():
     p = make_paged_problem([13, 30, 40, 45, 9, 120], [1, 4, 40, 20, 1, 1], num_heads=6, num_kv_heads=2, head_dim=64, block_size=8, seed=3).fill()
     bt, lens, qsl, nb = p.block_tables, p.seq_lens, p.query_start_loc, p.k_cache.shape[0]
     native, plain = TorchAttentionPlan(bt, lens, qsl, nb, 8), TorchAttentionPlan(bt, lens, qsl, nb, 8, native=False)
-    assert native.native.tolist() == [5, 1, 0, 4] and plain.native is None and len(native.long) == 2
+    assert native.native.tolist() == [2, 3, 1, 5, 0, 4] and plain.native is None and len(plain.long) == 2   # costliest first
     torch.testing.assert_close(paged_attention_torch(*p.args, plan=native), paged_attention_torch(*p.args, plan=plain), atol=2e-5, rtol=2e-5)
     half = make_paged_problem([13, 30], num_heads=6, num_kv_heads=2, head_dim=64, block_size=8, dtype=torch.bfloat16).fill()
     torch.testing.assert_close(paged_attention_torch(*half.args), paged_attention_spec(*half.args), atol=2e-2, rtol=2e-2)  # bf16: SDPA fallback
@@ -71,3 +81,20 @@ def test_switched_off(monkeypatch):
     assert C.cpu_kernel() is None
     p = make_paged_problem([20, 9], num_heads=4, num_kv_heads=2, head_dim=32, block_size=8).fill()
     assert TorchAttentionPlan(p.block_tables, p.seq_lens, p.query_start_loc, p.k_cache.shape[0], 8).native is None
+
+def _thp_mode(name):
+    p = Path(f"/sys/kernel/mm/transparent_hugepage/{name}")
+    return p.read_text().split("[")[1].split("]")[0] if p.exists() else None
+
+def test_zeros_huge_pages():
+    t = C.zeros_huge_pages((16, 1 << 20), torch.float32)                  # 64 MiB
+    assert t.shape == (16, 1 << 20) and t.dtype == torch.float32 and not t.any()
+    if _thp_mode("enabled") not in ("always", "madvise") or _thp_mode("defrag") not in ("always", "madvise", "defer+madvise"):
+        pytest.skip("this kernel does not give 2 MiB pages on request")
+    a, huge, inside = t.data_ptr(), 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-")); inside = lo <= a < hi
+        elif inside and line.startswith("AnonHugePages:"): huge = int(line.split()[1])
+    assert huge >= 32 << 10, f"only {huge} kB of the tensor's mapping is on 2 MiB pages"
