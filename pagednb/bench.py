@@ -460,7 +460,7 @@ def profile_pagednb(parts, workload, **llm_kwargs):
         for obj, name, stage in [(eng.scheduler, "schedule", "schedule"), (eng.scheduler, "update", "schedule"),
                                  (eng.runner, "prepare_inputs", "prepare_inputs"), (eng, "step", "step"), (eng, "_output", "outputs"),
                                  (model, "forward", "forward"), (model, "compute_logits", "lm_head"), (E, "sample", "sampling"),
-                                 (E, "store_kv", "attention"), (E, "paged_attention", "attention"),
+                                 (E.PagedAttentionBackend, "__call__", "attention"), (E, "paged_attention_cpu", "kernel"), (E, "check_slots", "checks"),
                                  (A, "check_block_tables", "checks"), (A, "check_seq_metadata", "checks"), (A, "check_slots", "checks"),
                                  (A, "check_attention_args", "checks"), (A, "check_store_args", "checks"),
                                  (A, "paged_attention_cpu", "kernel"), (A, "_attend_padded", "sdpa"), (A, "_attend_one", "sdpa")]:

@@ -6,7 +6,7 @@ Docs: https://pagednb.github.io/pagednb/cpu_attention.html.md"""
 
 # %% auto #0
 __all__ = ['CPU_ATTENTION_SRC', 'CPU_KERNEL_FLAGS', 'MADV_HUGEPAGE', 'HUGE_PAGE', 'find_cxx', 'build_cpu_kernel', 'cpu_kernel',
-           'cpu_kernel_supports', 'paged_attention_cpu', 'zeros_huge_pages']
+           'cpu_kernel_supports', 'paged_attention_cpu', 'store_kv_cpu', 'zeros_huge_pages']
 
 # %% ../nbs/04a_cpu_attention.ipynb #3dcff38d
 import ctypes, hashlib, os, platform, shutil, subprocess, sys, tempfile, warnings
@@ -248,6 +248,16 @@ extern "C" int pagednb_paged_attention_f32(
   }
   return err;
 }
+
+// store_kv: token t's K and V rows (row floats each) into slot slots[t] of the caches; slot -1 is skipped.
+extern "C" void pagednb_store_kv_f32(float* k_cache, float* v_cache, const float* key, const float* value, const int64_t* slots,
+                                     int64_t T, int64_t row) {
+  for (int64_t t = 0; t < T; t++)
+    if (slots[t] >= 0) {
+      std::memcpy(k_cache + slots[t] * row, key + t * row, sizeof(float) * row);
+      std::memcpy(v_cache + slots[t] * row, value + t * row, sizeof(float) * row);
+    }
+}
 '''
 
 # %% ../nbs/04a_cpu_attention.ipynb #332f7019
@@ -304,6 +314,7 @@ def cpu_kernel():
             lib.pagednb_paged_attention_f32.argtypes = [P, P, P, P, P, I64, P, P, P, I64, I, I, I, I, ctypes.c_float, I]
             lib.pagednb_paged_attention_f32.restype = I
             lib.pagednb_supports.argtypes, lib.pagednb_supports.restype = [I, I, I], I
+            lib.pagednb_store_kv_f32.argtypes, lib.pagednb_store_kv_f32.restype = [P, P, P, P, P, I64, I64], None
             _KERNEL["lib"], _KERNEL["error"] = lib, None
         except (RuntimeError, OSError) as e:
             _KERNEL["lib"], _KERNEL["error"] = None, str(e)
@@ -348,6 +359,21 @@ def paged_attention_cpu(query, k_cache, v_cache, block_tables, seq_lens, query_s
     if rc == 1: raise MemoryError("the CPU attention kernel could not allocate its per-thread buffers")
     if rc: raise RuntimeError(f"the CPU attention kernel refused the call (code {rc}: no compiled variant for H={H}, kv heads={kvh}, D={D})")
     return out
+
+# %% ../nbs/04a_cpu_attention.ipynb #7b3e9d24
+def store_kv_cpu(key, value, k_cache, v_cache, slot_mapping, checked=False):
+    "`store_kv` on the kernel's library: each token's K and V row copied to its slot, slot -1 skipped; `checked` skips the checks."
+    if not checked:
+        from pagednb.attention import check_store_args, check_slots
+        check_store_args(key, value, k_cache, v_cache, slot_mapping); check_slots(slot_mapping, k_cache.shape[0] * k_cache.shape[1])
+    lib = cpu_kernel()
+    if lib is None: raise RuntimeError(f"the CPU kernel library is unavailable ({_KERNEL.get('error') or 'PAGEDNB_CPU_KERNEL=0'}); use store_kv")
+    ts = dict(key=key, value=value, k_cache=k_cache, v_cache=v_cache)
+    bad = [n for n, t in ts.items() if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous()]
+    if bad: raise ValueError(f"store_kv_cpu takes contiguous float32 CPU tensors; {', '.join(bad)} are not")
+    slots = slot_mapping if slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() else slot_mapping.to(torch.int64).contiguous()
+    lib.pagednb_store_kv_f32(k_cache.data_ptr(), v_cache.data_ptr(), key.data_ptr(), value.data_ptr(), slots.data_ptr(),
+                             key.shape[0], key.shape[1] * key.shape[2])
 
 # %% ../nbs/04a_cpu_attention.ipynb #9e2b4c71
 MADV_HUGEPAGE, HUGE_PAGE = 14, 2 << 20

@@ -18,11 +18,11 @@ from .model import load_model, default_device
 from .block_manager import kv_cache_shape
 from .prefix_cache import make_block_manager
 from .scheduler import Scheduler, SchedulerConfig, Sequence, SequenceStatus
-from .attention import store_kv, paged_attention, default_backend, TorchAttentionPlan
+from .attention import store_kv, paged_attention, default_backend, TorchAttentionPlan, check_slots
 from .kv_cache import kv_bytes_per_token
 from .sampling import SamplingParams, CompletionOutput, RequestOutput, RequestMetrics, sample
 from .cpu_ops import fuse_for_cpu
-from .cpu_attention import zeros_huge_pages
+from .cpu_attention import zeros_huge_pages, cpu_kernel_supports, store_kv_cpu, paged_attention_cpu
 
 logger = logging.getLogger("pagednb")
 
@@ -38,19 +38,27 @@ class PagedAttentionBackend:
     "The model's attention backend over the paged cache: store this step's K/V at its slots, attend through the block tables."
     def __init__(self, kv_cache, scale, backend=None):
         self.kv, self.scale, self.backend, self.inputs = kv_cache, scale, backend, None
-        self._plan, self._planned = None, None
+        self._plan, self._planned, self._native = None, None, False
     def plan(self, x):
         "The torch backend's `TorchAttentionPlan` for inputs `x`, built on the first layer of a step and reused by the others."
         if (self.backend or default_backend(self.kv.device)) != "torch": return None
         if self._planned is not x:
             self._plan = TorchAttentionPlan(x.block_tables, x.seq_lens, x.query_start_loc, self.kv.shape[2], self.kv.shape[3], x.input_ids.shape[0])
-            self._planned = x
+            self._planned, self._native = x, None
         return self._plan
     def __call__(self, layer, q, k, v):
         x, kc, vc = self.inputs, self.kv[0, layer], self.kv[1, layer]
+        plan = self.plan(x)
+        if self._native is None:      # first layer of a step: all on the CPU kernel? then its slots are checked once, not per layer
+            self._native = plan is not None and plan.native is not None and cpu_kernel_supports(q, kc)
+            if self._native: check_slots(x.slot_mapping, kc.shape[0] * kc.shape[1])
+        if self._native and q.dtype == k.dtype == v.dtype == kc.dtype and k.shape == v.shape and k.shape[1:] == kc.shape[2:] \
+           and q.shape[0] == k.shape[0] == plan.num_tokens and q.is_contiguous() and k.is_contiguous() and v.is_contiguous():
+            store_kv_cpu(k, v, kc, vc, x.slot_mapping, checked=True)
+            return paged_attention_cpu(q, kc, vc, x.block_tables, x.seq_lens, x.query_start_loc, self.scale, seqs=plan.native, checked=True)
         store_kv(k, v, kc, vc, x.slot_mapping, backend=self.backend)
         return paged_attention(q, kc, vc, x.block_tables, x.seq_lens, x.query_start_loc, self.scale, backend=self.backend,
-                               max_query_len=x.max_query_len, max_seq_len=x.max_seq_len, plan=self.plan(x))
+                               max_query_len=x.max_query_len, max_seq_len=x.max_seq_len, plan=plan)
 
 # %% ../nbs/06_engine.ipynb #e8e2f433
 class ModelRunner:

@@ -3,7 +3,7 @@ import random, warnings
 from pathlib import Path
 import pytest, torch
 import pagednb.cpu_attention as C
-from pagednb.attention import make_paged_problem, paged_attention_spec, paged_attention_torch, TorchAttentionPlan
+from pagednb.attention import make_paged_problem, paged_attention_spec, paged_attention_torch, TorchAttentionPlan, store_kv
 
 pytestmark = pytest.mark.skipif(C.cpu_kernel() is None, reason="no C++ compiler: the kernel is unavailable here")
 
@@ -98,3 +98,15 @@ def test_zeros_huge_pages():
             lo, hi = (int(x, 16) for x in head.split("-")); inside = lo < a + n and a < hi
         elif inside and line.startswith("AnonHugePages:"): huge += int(line.split()[1])
     assert huge >= 32 << 10, f"only {huge} kB of the tensor's mapping is on 2 MiB pages"
+
+def test_store_kv_cpu():
+    p = make_paged_problem([20, 9], num_heads=4, num_kv_heads=2, head_dim=32, block_size=8).fill()
+    kv, slots = torch.randn(2, 4, 2, 32), torch.tensor([5, -1, 17, 0])
+    kc, vc, kt, vt = p.k_cache.clone(), p.v_cache.clone(), p.k_cache.clone(), p.v_cache.clone()
+    C.store_kv_cpu(kv[0], kv[1], kc, vc, slots); store_kv(kv[0], kv[1], kt, vt, slots)
+    for a, b in ((kc, kt), (vc, vt)): torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(kc.view(-1, 2, 32)[17], kv[0, 2], rtol=0, atol=0)
+    with pytest.raises(IndexError, match="out of range"): C.store_kv_cpu(kv[0], kv[1], kc, vc, torch.tensor([5, -1, 17, 10**6]))
+    with pytest.raises(ValueError, match="value"): C.store_kv_cpu(kv[0], kv[1, :3], kc, vc, slots)
+    with pytest.raises(TypeError, match="dtype"): C.store_kv_cpu(kv[0].double(), kv[1].double(), kc.double(), vc.double(), slots)
+    with pytest.raises(ValueError, match="float32"): C.store_kv_cpu(kv[0].half(), kv[1].half(), kc.half(), vc.half(), slots, checked=True)
