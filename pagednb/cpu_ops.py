@@ -9,26 +9,13 @@ __all__ = ['CPU_OPS_SRC', 'cpu_ops', 'rms_norm', 'fused_add_rms_norm', 'silu_mul
            'FusedRMSNorm', 'FusedAttention', 'FusedMLP', 'FusedDecoderLayer', 'fuse_for_cpu']
 
 # %% ../nbs/04b_cpu_ops.ipynb #ab6453a3
-import ctypes, os, warnings
+import ctypes
 import torch, torch.nn as nn, torch.nn.functional as F
-from .cpu_attention import build_cpu_kernel
+from .cpu_attention import CPU_VECTOR_SRC, CppLibrary
 from .model import RMSNorm, Attention, MLP, DecoderLayer
 
 # %% ../nbs/04b_cpu_ops.ipynb #6b7b4255
-CPU_OPS_SRC = r'''
-#include <cstdint>
-#include <cmath>
-#include <cstring>
-
-typedef float v8 __attribute__((vector_size(32)));                 // 8 floats: AVX2 on x86, two NEON registers on ARM
-typedef float v8u __attribute__((vector_size(32), aligned(4)));     // the same, loaded from any float address
-typedef int32_t i8 __attribute__((vector_size(32)));
-
-static inline v8 ld(const float* p) { return *(const v8u*)p; }
-static inline void st(float* p, v8 x) { *(v8u*)p = x; }
-static inline v8 splat(float x) { return (v8){x, x, x, x, x, x, x, x}; }
-static inline float hsum(v8 x) { return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7])); }
-
+CPU_OPS_SRC = CPU_VECTOR_SRC + r'''
 // Rows are split among threads only when there is enough work to pay for waking them (a few microseconds).
 static inline bool worth_threads(int64_t elems, int nt) { return nt > 1 && elems >= 32768; }
 
@@ -76,17 +63,10 @@ extern "C" void pagednb_add_rms_norm_f32(float* out, float* sum, const float* x,
   for (int64_t t = 0; t < T; t++) {
     const float *xr = x + t * N, *rr = r + t * N;
     float* s = sum + t * N;
-    v8 s0 = {};
     int i = 0;
-    for (; i + 8 <= N; i += 8) { const v8 a = ld(xr + i) + ld(rr + i); st(s + i, a); s0 += a * a; }
-    float ss = hsum(s0);
-    for (; i < N; i++) { const float a = xr[i] + rr[i]; s[i] = a; ss += a * a; }
-    const float inv = 1.f / std::sqrt(ss / N + eps);
-    const v8 iv = splat(inv);
-    float* o = out + t * N;
-    i = 0;
-    for (; i + 8 <= N; i += 8) st(o + i, ld(s + i) * iv * ld(w + i));
-    for (; i < N; i++) o[i] = s[i] * inv * w[i];
+    for (; i + 8 <= N; i += 8) st(s + i, ld(xr + i) + ld(rr + i));
+    for (; i < N; i++) s[i] = xr[i] + rr[i];
+    norm_row(out + t * N, s, w, N, eps);                                // the row just written, read back from L1
   }
 }
 
@@ -140,7 +120,6 @@ extern "C" int64_t pagednb_rope_f32(float* q_out, int64_t qo_stride, const float
 '''
 
 # %% ../nbs/04b_cpu_ops.ipynb #3e3a2fb8
-_OPS = {}
 _P, _I, _I64, _F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = dict(
     pagednb_rms_norm_f32=([_P, _P, _P, _I64, _I, _F32, _I], None),
@@ -148,25 +127,10 @@ _SIGNATURES = dict(
     pagednb_silu_mul_f32=([_P, _P, _I64, _I, _I], None),
     pagednb_rope_f32=([_P, _I64, _P, _I64, _I, _P, _I64, _P, _I64, _I, _P, _I64, _P, _I64, _I64, _I, _P, _P, _P, _I64, _I], _I64))
 
-def cpu_ops():
-    "The loaded library of fused CPU ops (`ctypes.CDLL`), or None when switched off (`PAGEDNB_CPU_OPS=0`) or it cannot be built."
-    if os.environ.get("PAGEDNB_CPU_OPS", "1") == "0": return None
-    if "lib" not in _OPS:
-        try:
-            lib = ctypes.CDLL(str(build_cpu_kernel(src=CPU_OPS_SRC, name="cpu_ops")))
-            for fn, (args, res) in _SIGNATURES.items(): getattr(lib, fn).argtypes, getattr(lib, fn).restype = args, res
-            _OPS["lib"], _OPS["error"] = lib, None
-        except (RuntimeError, OSError) as e:
-            _OPS["lib"], _OPS["error"] = None, str(e)
-            warnings.warn(f"pagednb: the fused CPU ops are unavailable, the model keeps its torch ops ({e})")
-    return _OPS["lib"]
+cpu_ops = CppLibrary(CPU_OPS_SRC, "cpu_ops", "PAGEDNB_CPU_OPS", _SIGNATURES,
+                     what="the fused CPU ops are", fallback="the model keeps its torch ops")
 
 # %% ../nbs/04b_cpu_ops.ipynb #36df3103
-def _lib():
-    lib = cpu_ops()
-    if lib is None: raise RuntimeError(f"the fused CPU ops are unavailable ({_OPS.get('error') or 'PAGEDNB_CPU_OPS=0'})")
-    return lib
-
 def _check(name, t, shape=None, contiguous=True):
     "Raise a clear error unless `t` is a float32 CPU tensor (of `shape`, contiguous)."
     if not isinstance(t, torch.Tensor): raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -179,23 +143,23 @@ def _check(name, t, shape=None, contiguous=True):
 
 # %% ../nbs/04b_cpu_ops.ipynb #0a77348d
 def _rms_norm(x, w, eps, out):
-    _OPS["lib"].pagednb_rms_norm_f32(out.data_ptr(), x.data_ptr(), w.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps, torch.get_num_threads())
+    cpu_ops.lib.pagednb_rms_norm_f32(out.data_ptr(), x.data_ptr(), w.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps, torch.get_num_threads())
     return out
 
 def rms_norm(x, weight, eps=1e-6, out=None):
     "`x / rms(x) * weight` over the last dimension, one C++ pass per row (vLLM's `rms_norm`); `out` may be `x`."
-    _lib(); _check("x", x); _check("weight", weight, (x.shape[-1],))
+    cpu_ops.require(); _check("x", x); _check("weight", weight, (x.shape[-1],))
     return _rms_norm(x, weight, eps, torch.empty_like(x) if out is None else _check("out", out, x.shape))
 
 # %% ../nbs/04b_cpu_ops.ipynb #01fd7771
 def _add_rms_norm(x, residual, w, eps, out, total):
     "total = x + residual; out = rms_norm(total) * w, in one pass (total may be x or residual; out may be x or residual)."
-    _OPS["lib"].pagednb_add_rms_norm_f32(out.data_ptr(), total.data_ptr(), x.data_ptr(), residual.data_ptr(), w.data_ptr(),
+    cpu_ops.lib.pagednb_add_rms_norm_f32(out.data_ptr(), total.data_ptr(), x.data_ptr(), residual.data_ptr(), w.data_ptr(),
                                          x.numel() // x.shape[-1], x.shape[-1], eps, torch.get_num_threads())
 
 def fused_add_rms_norm(x, residual, weight, eps=1e-6):
     "vLLM's `fused_add_rms_norm`, in place and in one pass: `residual += x`, then `x = rms_norm(residual) * weight`; returns `(x, residual)`."
-    _lib(); _check("x", x); _check("residual", residual, x.shape); _check("weight", weight, (x.shape[-1],))
+    cpu_ops.require(); _check("x", x); _check("residual", residual, x.shape); _check("weight", weight, (x.shape[-1],))
     if x.data_ptr() == residual.data_ptr(): raise ValueError("x and residual must be different tensors")
     _add_rms_norm(x, residual, weight, eps, x, residual)
     return x, residual
@@ -203,12 +167,12 @@ def fused_add_rms_norm(x, residual, weight, eps=1e-6):
 # %% ../nbs/04b_cpu_ops.ipynb #317954f9
 def _silu_mul(gate_up, out):
     I = out.shape[-1]
-    _OPS["lib"].pagednb_silu_mul_f32(out.data_ptr(), gate_up.data_ptr(), out.numel() // max(I, 1), I, torch.get_num_threads())
+    cpu_ops.lib.pagednb_silu_mul_f32(out.data_ptr(), gate_up.data_ptr(), out.numel() // max(I, 1), I, torch.get_num_threads())
     return out
 
 def silu_mul(gate_up, out=None):
     "`silu(gate) * up` for `gate_up = [gate, up]` on its last dimension, `[..., 2I] -> [..., I]`, in one C++ pass (vLLM's `silu_and_mul`)."
-    _lib(); _check("gate_up", gate_up)
+    cpu_ops.require(); _check("gate_up", gate_up)
     if gate_up.shape[-1] % 2: raise ValueError(f"gate_up's last dimension must be even (gate then up), got {gate_up.shape[-1]}")
     shape = (*gate_up.shape[:-1], gate_up.shape[-1] // 2)
     return _silu_mul(gate_up, torch.empty(shape, dtype=torch.float32) if out is None else _check("out", out, shape))
@@ -224,7 +188,7 @@ def _split_rope(qkv, positions, cos, sin, H, KVH, D):
     "Contiguous q [T, H, D], k and v [T, KVH, D] out of the contiguous merged product `qkv`, q and k rotated: one C++ pass."
     T, row, src, positions = qkv.shape[0], qkv.stride(0), qkv.data_ptr(), _positions(positions)
     q, k, v = torch.empty(T, H, D, dtype=torch.float32), torch.empty(T, KVH, D, dtype=torch.float32), torch.empty(T, KVH, D, dtype=torch.float32)
-    bad = _OPS["lib"].pagednb_rope_f32(q.data_ptr(), H * D, src, row, H, k.data_ptr(), KVH * D, src + 4 * H * D, row, KVH,
+    bad = cpu_ops.lib.pagednb_rope_f32(q.data_ptr(), H * D, src, row, H, k.data_ptr(), KVH * D, src + 4 * H * D, row, KVH,
                                        v.data_ptr(), KVH * D, src + 4 * (H + KVH) * D, row, T, D, positions.data_ptr(),
                                        cos.data_ptr(), sin.data_ptr(), cos.shape[0], torch.get_num_threads())
     if bad: _raise_position(positions, bad, cos)
@@ -241,14 +205,14 @@ def _check_rope(positions, cos, sin, T, D):
 
 def rope_(q, k, positions, cos, sin):
     "Rotate q `[T, H, D]` and k `[T, KVH, D]` in place (Hugging Face Llama's rotate-half RoPE) by the cos/sin rows at `positions`; returns `(q, k)`."
-    _lib(); _check("q", q, contiguous=False); _check("k", k, contiguous=False)
+    cpu_ops.require(); _check("q", q, contiguous=False); _check("k", k, contiguous=False)
     for n, t in (("q", q), ("k", k)):
         if t.dim() != 3 or t.stride(2) != 1 or t.stride(1) != t.shape[2]:
             raise ValueError(f"{n} must be [tokens, heads, head_dim] with each token's heads contiguous (got shape {tuple(t.shape)}, strides {t.stride()})")
     if k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]: raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} differ in tokens or head_dim")
     _check_rope(positions, cos, sin, q.shape[0], q.shape[2])
     positions = _positions(positions)
-    bad = _OPS["lib"].pagednb_rope_f32(q.data_ptr(), q.stride(0), q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0), k.data_ptr(),
+    bad = cpu_ops.lib.pagednb_rope_f32(q.data_ptr(), q.stride(0), q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0), k.data_ptr(),
                                        k.stride(0), k.shape[1], None, 0, None, 0, q.shape[0], q.shape[2], positions.data_ptr(),
                                        cos.data_ptr(), sin.data_ptr(), cos.shape[0], torch.get_num_threads())
     if bad: _raise_position(positions, bad, cos)
@@ -256,7 +220,7 @@ def rope_(q, k, positions, cos, sin):
 
 def split_qkv_rope(qkv, positions, cos, sin, num_heads, num_kv_heads):
     "Contiguous q `[T, H, D]` and k `[T, KVH, D]`, rotated, and v, out of the merged q/k/v product `[T, (H + 2 KVH) D]`, in one C++ pass."
-    _lib(); _check("qkv", qkv)
+    cpu_ops.require(); _check("qkv", qkv)
     if qkv.dim() != 2 or qkv.shape[1] % (num_heads + 2 * num_kv_heads):
         raise ValueError(f"qkv must be [tokens, (num_heads + 2 num_kv_heads) * head_dim], got shape {tuple(qkv.shape)}")
     D = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
@@ -281,7 +245,7 @@ def merge_linears(*linears):
 # %% ../nbs/04b_cpu_ops.ipynb #0bbd0828
 def _fast(x, module=None):
     "Can the C++ ops take `x`: float32, on the CPU, contiguous, the library loaded, and no gradient wanted of `x` or `module`'s weights."
-    if not (x.dtype == torch.float32 and x.is_cpu and x.is_contiguous() and _OPS.get("lib") is not None): return False
+    if not (x.dtype == torch.float32 and x.is_cpu and x.is_contiguous() and cpu_ops.lib is not None): return False
     return not torch.is_grad_enabled() or not (x.requires_grad or (module is not None and any(p.requires_grad for p in module.parameters())))
 
 class FusedRMSNorm(RMSNorm):

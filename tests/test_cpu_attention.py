@@ -68,7 +68,7 @@ def test_bad_input():
 def test_build_failure_falls_back(tmp_path, monkeypatch):
     "A compiler that fails: a clear error from the build, one warning, and the torch backend still right."
     with pytest.raises(RuntimeError, match="could not compile"): C.build_cpu_kernel(cache=tmp_path, cxx="/bin/false")
-    monkeypatch.setattr(C, "_KERNEL", {})
+    monkeypatch.setattr(C.cpu_kernel, "_state", {})
     monkeypatch.setenv("PAGEDNB_CACHE", str(tmp_path)); monkeypatch.setenv("CXX", "/bin/false")
     monkeypatch.setattr(C, "find_cxx", lambda: "/bin/false")
     with pytest.warns(UserWarning, match="unavailable"): assert C.cpu_kernel() is None

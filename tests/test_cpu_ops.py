@@ -207,7 +207,7 @@ def test_build_failure_falls_back(tmp_path, monkeypatch):
     ids, pos, lens = batch()
     ref = logits(fused, ids, pos, lens)
     O.fuse_for_cpu(fused)
-    monkeypatch.setattr(O, "_OPS", {})
+    monkeypatch.setattr(O.cpu_ops, "_state", {})
     monkeypatch.setenv("PAGEDNB_CACHE", str(tmp_path/"cache")); monkeypatch.setenv("CXX", "/bin/false")
     monkeypatch.setattr(C, "find_cxx", lambda: "/bin/false")
     with pytest.warns(UserWarning, match="fused CPU ops are unavailable"): assert O.cpu_ops() is None
