@@ -8,7 +8,7 @@
 
 Needs only Python 3.10+. Set-up is skipped when pyproject.toml has not changed since the last one.
 """
-import hashlib, os, shutil, subprocess, sys, venv
+import hashlib, os, shutil, subprocess, sys, threading, time, venv
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
@@ -58,6 +58,63 @@ def ensure_chromium():
         subprocess.run(["apt-get", "install", "-y", "-qq", "chromium"], env=q, stdout=subprocess.DEVNULL)
     if not shutil.which("chromium"): print("chromium is not installed: the browser tests will be skipped", flush=True)
 
+NOTEBOOK_LIMIT_GIB = 3.0        # a lesson run alone peaks at most here (a learner's laptop or Colab CPU runtime)
+SUITE_LIMIT_GIB = 12.0          # the whole run, both workers together
+
+def tree_rss(pid):
+    "Resident bytes of a process and all its descendants (Linux /proc; 0 elsewhere)."
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
+            total += int(status.split("VmRSS:")[1].split()[0]) * 1024
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task/"children").read_text().split()]
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+
+class Watched:
+    "A child process whose peak resident memory (its whole process tree) is sampled while it runs."
+    def __init__(self, cmd, capture=True, **kw):
+        self.cmd, self.peak, self.t0, self.out = cmd, 0, time.time(), []
+        pipe = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) if capture else {}
+        self.proc = subprocess.Popen([str(c) for c in cmd], cwd=ROOT, **pipe, **kw)
+        self.reader = threading.Thread(target=lambda: self.out.extend(self.proc.stdout or ()), daemon=True)
+        self.reader.start()
+    def poll(self):
+        self.peak = max(self.peak, tree_rss(self.proc.pid))
+        return self.proc.poll()
+    def wait(self):
+        while self.poll() is None: time.sleep(0.2)
+        self.reader.join()
+        self.seconds = time.time() - self.t0
+        return self.proc.returncode
+
+def run_notebooks(e, workers=2):
+    "Each notebook in its own process, `workers` at a time; print each one's time and peak RSS; fail past the limits."
+    todo = sorted(p for p in (ROOT/"nbs").glob("*.ipynb") if not p.name.startswith(("_", ".")))
+    running, done, suite_peak = [], [], 0
+    while todo or running:
+        while todo and len(running) < workers:
+            nb = todo.pop(0)
+            running.append((nb, Watched([BIN/"nbdev-test", nb], env=e)))
+        time.sleep(0.2)
+        suite_peak = max(suite_peak, sum(tree_rss(w.proc.pid) for _, w in running))
+        for nb, w in list(running):
+            if w.poll() is None: continue
+            w.wait(); running.remove((nb, w)); done.append((nb, w))
+            ok = w.proc.returncode == 0 and w.peak <= NOTEBOOK_LIMIT_GIB * 2**30
+            print(f"{'ok  ' if ok else 'FAIL'} {nb.name:32s} {w.seconds:6.1f} s   peak {w.peak/2**30:5.2f} GiB", flush=True)
+            if w.proc.returncode: print("".join(w.out)[-6000:], flush=True)
+    print(f"notebooks: {len(done)}, both workers together peaked at {suite_peak/2**30:.2f} GiB", flush=True)
+    bad = [nb.name for nb, w in done if w.proc.returncode]
+    big = [nb.name for nb, w in done if w.peak > NOTEBOOK_LIMIT_GIB * 2**30]
+    if big: print(f"over the {NOTEBOOK_LIMIT_GIB} GiB a lesson may use: {', '.join(big)}", flush=True)
+    if suite_peak > SUITE_LIMIT_GIB * 2**30: print(f"the suite passed {SUITE_LIMIT_GIB} GiB", flush=True)
+    if bad or big or suite_peak > SUITE_LIMIT_GIB * 2**30: sys.exit(1)
+
 def test(args):
     ensure_chromium()
     e = test_env()
@@ -70,8 +127,13 @@ def test(args):
             subprocess.run(["git", "--no-pager", "diff", "--stat", "--", "nbs", "pagednb"], cwd=ROOT)
             sys.exit(1)
     # two notebooks at a time on two cores: one BLAS thread each, or they fight over the cores
-    sh(BIN/"nbdev-test", "--n-workers", "2", "--timing", env=dict(e, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1"))
-    sh(PY, "-m", "pytest", "tests", "-q", *args, env=e)
+    run_notebooks(dict(e, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1"))
+    print("+ pytest tests -q " + " ".join(args), flush=True)
+    w = Watched([PY, "-m", "pytest", "tests", "-q", *args], capture=False, env=e)
+    w.wait()
+    print(f"pytest: {w.seconds:.0f} s, peak {w.peak/2**30:.2f} GiB", flush=True)
+    if w.peak > SUITE_LIMIT_GIB * 2**30: print(f"pytest passed {SUITE_LIMIT_GIB} GiB", flush=True); sys.exit(1)
+    if w.proc.returncode: sys.exit(w.proc.returncode)
 
 if __name__ == "__main__":
     jobs = dict(demo=demo, test=test, docs=lambda a: sh(PY, "docs/build.py", *a, env=env()), setup=lambda a: None)

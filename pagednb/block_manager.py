@@ -145,7 +145,7 @@ class BlockManager:
         b.ref_count -= 1
         if b.ref_count == 0: self._num_used -= 1; self._on_free(b)
 
-    def _on_free(self, block: Block): self.free_block_ids.append(block.block_id)
+    def _on_free(self, block: Block): self.free_block_ids.appendleft(block.block_id)   # reused first: the pool stays compact
     def _revive(self, bid: int): self.free_block_ids.remove(bid)   # O(n), unused here; the prefix cache revives in O(1)
     def _evict(self) -> int: raise NoFreeBlocksError(1, 0, self.num_blocks)
 

@@ -10,7 +10,7 @@ __all__ = ['CPU_VECTOR_SRC', 'CPU_ATTENTION_SRC', 'CPU_KERNEL_FLAGS', 'cpu_kerne
            'zeros_huge_pages']
 
 # %% ../nbs/04a_cpu_attention.ipynb #3dcff38d
-import ctypes, hashlib, os, platform, shutil, subprocess, sys, tempfile, warnings
+import ctypes, hashlib, math, mmap, os, platform, shutil, subprocess, sys, tempfile, warnings
 from pathlib import Path
 import torch
 
@@ -392,14 +392,21 @@ def store_kv_cpu(key, value, k_cache, v_cache, slot_mapping, checked=False):
 # %% ../nbs/04a_cpu_attention.ipynb #9e2b4c71
 MADV_HUGEPAGE, HUGE_PAGE = 14, 2 << 20
 
+def _fresh_mapping(nbytes):
+    "Anonymous memory on a 2 MiB boundary, advised to 2 MiB pages: `(buffer, offset)`; zero, not yet backed."
+    buf = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)   # private: THP-eligible
+    offset = -ctypes.addressof(ctypes.c_char.from_buffer(buf)) % HUGE_PAGE
+    try:
+        buf.madvise(getattr(mmap, "MADV_HUGEPAGE", MADV_HUGEPAGE), offset, nbytes - nbytes % HUGE_PAGE or HUGE_PAGE)
+    except (OSError, ValueError, AttributeError):
+        pass                                                      # advice only: a refusal changes nothing
+    return buf, offset
+
 def zeros_huge_pages(shape, dtype=torch.float32):
-    "A zeroed CPU tensor that Linux is asked to back with 2 MiB pages (`madvise(MADV_HUGEPAGE)`); plain `torch.zeros` elsewhere."
-    t = torch.empty(shape, dtype=dtype)
-    a, n = t.data_ptr(), t.numel() * t.element_size()
-    lo, hi = (a + HUGE_PAGE - 1) & -HUGE_PAGE, (a + n) & -HUGE_PAGE     # the whole 2 MiB pages inside the tensor
-    if sys.platform.startswith("linux") and hi > lo:
-        try:
-            libc = ctypes.CDLL(None); libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            libc.madvise(lo, hi - lo, MADV_HUGEPAGE)                       # advice only: a refusal changes nothing
-        except (OSError, AttributeError): pass
-    return t.zero_()
+    "A zeroed CPU tensor whose RAM is taken only as it is written, in 2 MiB pages where Linux grants them."
+    numel = math.prod(shape)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if not sys.platform.startswith("linux") or nbytes < HUGE_PAGE:
+        return torch.zeros(shape, dtype=dtype)
+    buf, offset = _fresh_mapping(nbytes)
+    return torch.frombuffer(buf, dtype=dtype, count=numel, offset=offset).view(shape)

@@ -69,7 +69,7 @@ class PrefixCachingBlockManager(BlockManager):
     def _on_free(self, block: Block):
         "A freed block that holds a hash stays reusable, at the most-recently-used end of `cached_free`."
         if block.block_hash is not None: self.cached_free[block.block_id] = None
-        else: self.free_block_ids.append(block.block_id)
+        else: self.free_block_ids.appendleft(block.block_id)
 
     def _revive(self, bid: int):
         if bid in self.cached_free: del self.cached_free[bid]

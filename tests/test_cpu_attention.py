@@ -1,3 +1,4 @@
+import sys
 "The CPU attention kernel against the spec: shapes, threads, partial writes, bad input, and the fallback when it cannot be built."
 import random, warnings
 from pathlib import Path
@@ -88,7 +89,9 @@ def _thp_mode(name):
 
 def test_zeros_huge_pages():
     t = C.zeros_huge_pages((16, 1 << 20), torch.float32)                  # 64 MiB
-    assert t.shape == (16, 1 << 20) and t.dtype == torch.float32 and not t.any()
+    assert t.shape == (16, 1 << 20) and t.dtype == torch.float32
+    assert not C.zeros_huge_pages((16, 1 << 20), torch.float32).any()
+    t.fill_(1.0)                  # backed as first written (a read first would map the shared zero page instead)
     if _thp_mode("enabled") not in ("always", "madvise") or _thp_mode("defrag") not in ("always", "madvise", "defer+madvise"):
         pytest.skip("this kernel does not give 2 MiB pages on request")
     a, n, huge, inside = t.data_ptr(), t.numel() * 4, 0, False
@@ -98,6 +101,18 @@ def test_zeros_huge_pages():
             lo, hi = (int(x, 16) for x in head.split("-")); inside = lo < a + n and a < hi
         elif inside and line.startswith("AnonHugePages:"): huge += int(line.split()[1])
     assert huge >= 32 << 10, f"only {huge} kB of the tensor's mapping is on 2 MiB pages"
+
+def _rss_mib(): return int(Path("/proc/self/status").read_text().split("VmRSS:")[1].split()[0]) // 1024
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_zeros_huge_pages_costs_ram_only_when_written_and_gives_it_back():
+    before = _rss_mib()
+    t = C.zeros_huge_pages((2, 30, 4000, 16, 3, 64))                     # 2.6 GiB of KV pool
+    assert _rss_mib() - before < 64, "allocating must not touch the pool"
+    t[:, :, :50] = 1.0
+    assert 30 < _rss_mib() - before < 400 and not t[:, :, 50:].any()
+    del t
+    assert _rss_mib() - before < 64, "the pool's memory must go back when the tensor dies"
 
 def test_store_kv_cpu():
     p = make_paged_problem([20, 9], num_heads=4, num_kv_heads=2, head_dim=32, block_size=8).fill()
