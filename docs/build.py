@@ -267,10 +267,17 @@ def _plotly_html(fig: dict) -> str:
     config.setdefault("responsive", True); config.setdefault("displaylogo", False)
     out = pio.to_html(fig, include_plotlyjs=False, full_html=False, auto_play=False, config=config,
                       default_width="100%", default_height="450px", validate=False)
-    # the theme loads scripts (plotly.js among them) at the end of the page: draw once they have run
+    return _after_plotly(out)
+
+_NEWPLOT = re.compile(r'(<script(?: type="text/javascript")?>)((?:(?!</script>).)*?Plotly\.newPlot(?:(?!</script>).)*?)(</script>)', re.S)
+
+def _after_plotly(html_: str) -> str:
+    "The theme loads scripts (plotly.js among them) at the end of the page: each inline Plotly.newPlot waits for them."
     wrap = lambda m: (m.group(1) + '(function draw() { if (!window.Plotly) { document.addEventListener("DOMContentLoaded", draw, {once: true}); return; }\n'
                       + m.group(2) + '\n})();' + m.group(3))
-    return re.sub(r'(<script(?: type="text/javascript")?>)((?:(?!</script>).)*?Plotly\.newPlot(?:(?!</script>).)*?)(</script>)', wrap, out, flags=re.S)
+    return _NEWPLOT.sub(wrap, html_)
+
+_WVIEW = "application/vnd.jupyter.widget-view+json"
 
 def _fix_outputs(cell, site: Site):
     for o in cell.get("outputs", []):
@@ -278,6 +285,12 @@ def _fix_outputs(cell, site: Site):
         if not data: continue
         if "application/vnd.plotly.v1+json" in data:
             html_ = _plotly_html(data["application/vnd.plotly.v1+json"])
+            data.clear(); data["text/html"] = html_
+        elif _WVIEW in data and "text/html" in data:
+            # a widget that carries a kernel-free copy of itself (EngineStepper's `to_html`): the site has no kernel to
+            # answer the widget's buttons, so the page shows the copy, whose controls run in the browser
+            h = data["text/html"]
+            html_ = _after_plotly("".join(h) if isinstance(h, list) else h)
             data.clear(); data["text/html"] = html_
         md = _md_text(o)
         if md is not None: data["text/markdown"] = site.local_links(md)

@@ -83,10 +83,13 @@ extern "C" void pagednb_silu_mul_f32(float* out, const float* gate_up, int64_t T
 }
 
 // Rotate `nh` heads of D floats (halves x1, x2: x1 cos - x2 sin, x2 cos + x1 sin) from `in` to `out` (which may be `in`).
-static inline void rope_heads(float* out, const float* in, int nh, int D, const float* c, const float* s) {
+// With a gain `w` of D floats, each head is first RMS-normed over its D floats (Qwen3's q_norm, k_norm) into `out`.
+static inline void rope_heads(float* out, const float* in, int nh, int D, const float* c, const float* s,
+                              const float* w, float eps) {
   const int h2 = D / 2;
   for (int h = 0; h < nh; h++) {
     const float* a = in + h * D; float* o = out + h * D;
+    if (w) { norm_row(o, a, w, D, eps); a = o; }                        // normed into `out`, then rotated there
     int i = 0;
     for (; i + 8 <= h2; i += 8) {
       const v8 x1 = ld(a + i), x2 = ld(a + h2 + i), cv = ld(c + i), sv = ld(s + i);
@@ -101,18 +104,20 @@ static inline void rope_heads(float* out, const float* in, int nh, int D, const 
 
 // RoPE on q [T, H, D] and k [T, KVH, D] (rows `*_stride` floats apart, heads contiguous), from `*_in` to `*_out`
 // (the same pointer: in place); v [T, KVH, D] is copied from v_in to v_out when v_out is given. cos/sin: [max_pos, D/2].
+// q_w, k_w: the gains of a per-head RMSNorm (with `eps`) applied to q and k before RoPE, or null for none.
 // Returns 0, or t + 1 for the first token t whose position is outside [0, max_pos) (then nothing is written).
 extern "C" int64_t pagednb_rope_f32(float* q_out, int64_t qo_stride, const float* q_in, int64_t qi_stride, int H,
                                     float* k_out, int64_t ko_stride, const float* k_in, int64_t ki_stride, int KVH,
                                     float* v_out, int64_t vo_stride, const float* v_in, int64_t vi_stride,
-                                    int64_t T, int D, const int64_t* pos, const float* cos, const float* sin, int64_t max_pos, int nt) {
+                                    int64_t T, int D, const int64_t* pos, const float* cos, const float* sin, int64_t max_pos,
+                                    const float* q_w, const float* k_w, float eps, int nt) {
   for (int64_t t = 0; t < T; t++) if (pos[t] < 0 || pos[t] >= max_pos) return t + 1;
   const int h2 = D / 2;
   #pragma omp parallel for num_threads(nt) if(worth_threads(T * (H + 2 * KVH) * D, nt)) schedule(static)
   for (int64_t t = 0; t < T; t++) {
     const float *c = cos + pos[t] * h2, *s = sin + pos[t] * h2;
-    rope_heads(q_out + t * qo_stride, q_in + t * qi_stride, H, D, c, s);
-    rope_heads(k_out + t * ko_stride, k_in + t * ki_stride, KVH, D, c, s);
+    rope_heads(q_out + t * qo_stride, q_in + t * qi_stride, H, D, c, s, q_w, eps);
+    rope_heads(k_out + t * ko_stride, k_in + t * ki_stride, KVH, D, c, s, k_w, eps);
     if (v_out) std::memcpy(v_out + t * vo_stride, v_in + t * vi_stride, sizeof(float) * KVH * D);
   }
   return 0;
@@ -125,7 +130,7 @@ _SIGNATURES = dict(
     pagednb_rms_norm_f32=([_P, _P, _P, _I64, _I, _F32, _I], None),
     pagednb_add_rms_norm_f32=([_P, _P, _P, _P, _P, _I64, _I, _F32, _I], None),
     pagednb_silu_mul_f32=([_P, _P, _I64, _I, _I], None),
-    pagednb_rope_f32=([_P, _I64, _P, _I64, _I, _P, _I64, _P, _I64, _I, _P, _I64, _P, _I64, _I64, _I, _P, _P, _P, _I64, _I], _I64))
+    pagednb_rope_f32=([_P, _I64, _P, _I64, _I, _P, _I64, _P, _I64, _I, _P, _I64, _P, _I64, _I64, _I, _P, _P, _P, _I64, _P, _P, _F32, _I], _I64))
 
 cpu_ops = CppLibrary(CPU_OPS_SRC, "cpu_ops", "PAGEDNB_CPU_OPS", _SIGNATURES,
                      what="the fused CPU ops are", fallback="the model keeps its torch ops")
@@ -178,19 +183,22 @@ def silu_mul(gate_up, out=None):
     return _silu_mul(gate_up, torch.empty(shape, dtype=torch.float32) if out is None else _check("out", out, shape))
 
 # %% ../nbs/04b_cpu_ops.ipynb #353174c6
+def _ptr(t): return None if t is None else t.data_ptr()
+
 def _positions(p): return p if p.dtype == torch.int64 and p.is_contiguous() else p.to(torch.int64).contiguous()
 
 def _raise_position(positions, bad, cos):
     raise IndexError(f"positions[{bad - 1}] = {int(positions[bad - 1])} is outside the RoPE table of {cos.shape[0]} positions "
                      f"(max_position_embeddings)")
 
-def _split_rope(qkv, positions, cos, sin, H, KVH, D):
-    "Contiguous q [T, H, D], k and v [T, KVH, D] out of the contiguous merged product `qkv`, q and k rotated: one C++ pass."
+def _split_rope(qkv, positions, cos, sin, H, KVH, D, q_weight=None, k_weight=None, eps=0.0):
+    "Contiguous q [T, H, D], k and v [T, KVH, D] out of the merged product `qkv`, q and k normed per head (with weights) and rotated."
     T, row, src, positions = qkv.shape[0], qkv.stride(0), qkv.data_ptr(), _positions(positions)
     q, k, v = torch.empty(T, H, D, dtype=torch.float32), torch.empty(T, KVH, D, dtype=torch.float32), torch.empty(T, KVH, D, dtype=torch.float32)
     bad = cpu_ops.lib.pagednb_rope_f32(q.data_ptr(), H * D, src, row, H, k.data_ptr(), KVH * D, src + 4 * H * D, row, KVH,
                                        v.data_ptr(), KVH * D, src + 4 * (H + KVH) * D, row, T, D, positions.data_ptr(),
-                                       cos.data_ptr(), sin.data_ptr(), cos.shape[0], torch.get_num_threads())
+                                       cos.data_ptr(), sin.data_ptr(), cos.shape[0], _ptr(q_weight), _ptr(k_weight), eps,
+                                       torch.get_num_threads())
     if bad: _raise_position(positions, bad, cos)
     return q, k, v
 
@@ -214,18 +222,21 @@ def rope_(q, k, positions, cos, sin):
     positions = _positions(positions)
     bad = cpu_ops.lib.pagednb_rope_f32(q.data_ptr(), q.stride(0), q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0), k.data_ptr(),
                                        k.stride(0), k.shape[1], None, 0, None, 0, q.shape[0], q.shape[2], positions.data_ptr(),
-                                       cos.data_ptr(), sin.data_ptr(), cos.shape[0], torch.get_num_threads())
+                                       cos.data_ptr(), sin.data_ptr(), cos.shape[0], None, None, 0.0, torch.get_num_threads())
     if bad: _raise_position(positions, bad, cos)
     return q, k
 
-def split_qkv_rope(qkv, positions, cos, sin, num_heads, num_kv_heads):
+def split_qkv_rope(qkv, positions, cos, sin, num_heads, num_kv_heads, q_weight=None, k_weight=None, eps=1e-6):
     "Contiguous q `[T, H, D]` and k `[T, KVH, D]`, rotated, and v, out of the merged q/k/v product `[T, (H + 2 KVH) D]`, in one C++ pass."
     cpu_ops.require(); _check("qkv", qkv)
     if qkv.dim() != 2 or qkv.shape[1] % (num_heads + 2 * num_kv_heads):
         raise ValueError(f"qkv must be [tokens, (num_heads + 2 num_kv_heads) * head_dim], got shape {tuple(qkv.shape)}")
     D = qkv.shape[1] // (num_heads + 2 * num_kv_heads)
     _check_rope(positions, cos, sin, qkv.shape[0], D)
-    return _split_rope(qkv, positions, cos, sin, num_heads, num_kv_heads, D)
+    if (q_weight is None) != (k_weight is None): raise ValueError("give both q_weight and k_weight (Qwen3's q/k norms), or neither")
+    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if w is not None: _check(name, w, (D,))
+    return _split_rope(qkv, positions, cos, sin, num_heads, num_kv_heads, D, q_weight, k_weight, eps)
 
 # %% ../nbs/04b_cpu_ops.ipynb #e3309a2a
 def _is_packed(m): return type(m).__name__ == "PackedLinear"
@@ -255,18 +266,23 @@ class FusedRMSNorm(RMSNorm):
 
 # %% ../nbs/04b_cpu_ops.ipynb #1d4e3614
 class FusedAttention(nn.Module):
-    "`Attention` with q/k/v as one linear layer, and RoPE done in C++ as its output is split into contiguous q, k, v."
+    "`Attention` with q/k/v as one linear layer, and q/k norms (Qwen3) and RoPE done in C++ as its output is split into q, k, v."
     def __init__(self, attn: Attention):
         super().__init__()
         self.layer_idx, self.rotary, self.nh, self.nkv, self.hd = attn.layer_idx, attn.rotary, attn.nh, attn.nkv, attn.hd
         self.qkv_proj, self.o_proj = merge_linears(attn.q_proj, attn.k_proj, attn.v_proj), attn.o_proj
+        self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
     def forward(self, positions, x, attn):
         T, H, KVH, D, rot = x.shape[0], self.nh, self.nkv, self.hd, self.rotary[0]
-        qkv = self.qkv_proj(x)
-        if _fast(qkv) and positions.is_cpu: q, k, v = _split_rope(qkv, positions, rot.cos, rot.sin, H, KVH, D)
+        qkv, qn, kn = self.qkv_proj(x), self.q_norm, self.k_norm
+        if _fast(qkv) and positions.is_cpu:
+            norms = () if qn is None else (qn.weight, kn.weight, qn.eps)           # one eps: both are rms_norm_eps
+            q, k, v = _split_rope(qkv, positions, rot.cos, rot.sin, H, KVH, D, *norms)
         else:
             q, k, v = qkv.split([H * D, KVH * D, KVH * D], -1)
-            (q, k), v = rot(positions, q.reshape(T, H, D), k.reshape(T, KVH, D)), v.reshape(T, KVH, D).contiguous()
+            q, k, v = q.reshape(T, H, D), k.reshape(T, KVH, D), v.reshape(T, KVH, D).contiguous()
+            if qn is not None: q, k = qn(q), kn(k)
+            q, k = rot(positions, q, k)
         return self.o_proj(attn(self.layer_idx, q, k, v).reshape(T, H * D))
 
 class FusedMLP(nn.Module):

@@ -95,7 +95,7 @@ class PrefixCachingBlockManager(BlockManager):
 def get_computed_blocks(self: PrefixCachingBlockManager, seq) -> list[int]:
     "Blocks holding the longest cached prefix of `seq` in whole blocks, leaving at least one token to compute; a pure lookup."
     n = (seq.num_tokens - 1)//self.block_size
-    if n <= 0: return []
+    if n <= 0 or getattr(seq, "skip_prefix_cache", False): return []     # e.g. prompt logprobs: every position computed
     out, table = [], self.hash_to_block
     for h in compute_block_hashes(seq, self.block_size, n)[:n]:
         b = table.get(h)

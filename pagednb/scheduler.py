@@ -6,7 +6,7 @@ Docs: https://pagednb.github.io/pagednb/scheduler.html.md"""
 
 # %% auto #0
 __all__ = ['SequenceStatus', 'Sequence', 'ScheduledSeq', 'StepPlan', 'SchedulerConfig', 'Scheduler', 'schedule', 'update',
-           'finish', 'simulate', 'plot_steps']
+           'finish', 'fork', 'simulate', 'plot_steps']
 
 # %% ../nbs/05_scheduler.ipynb #27ad506d
 from collections import deque
@@ -167,6 +167,13 @@ def finish(self: Scheduler, seq: Sequence):
     elif seq in self.waiting: self.waiting.remove(seq)
     seq.status = SequenceStatus.FINISHED
 Scheduler.finish = finish
+
+def fork(self: Scheduler, parent: Sequence, child: Sequence):
+    "Run `child` beside `parent` from now on, sharing its pages by reference (copy-on-write): `n > 1`."
+    self.bm.fork(parent, child)
+    child.status = SequenceStatus.RUNNING
+    self.running.append(child)
+Scheduler.fork = fork
 
 # %% ../nbs/05_scheduler.ipynb #e503c1bd
 def simulate(scheduler: Scheduler, seqs, output_len, max_steps=10_000, on_step=None):

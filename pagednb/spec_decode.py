@@ -181,7 +181,7 @@ class SpecDecoder:
         p, sched = seq.params, self.engine_sched
         d = self.config["disable_by_batch_size"]
         if d is not None and len(sched.running) >= d: return 0
-        if p.logprobs is not None or seq.num_output_tokens < p.min_tokens: return 0
+        if p.logprobs is not None or p.processes_logits or seq.num_output_tokens < p.min_tokens: return 0
         room = sched.config.max_model_len - seq.num_tokens - 1
         if p.max_tokens is not None: room = min(room, p.max_tokens - seq.num_output_tokens - 1)
         return max(0, min(self.k, room))

@@ -6,8 +6,8 @@ Docs: https://pagednb.github.io/pagednb/widgets.html.md"""
 
 # %% auto #0
 __all__ = ['CELL', 'QUEUES', 'seq_color', 'geometry', 'map_panel', 'batch_panel', 'queue_panel', 'memory_series', 'memory_cursor',
-           'summary_html', 'map_figure', 'batch_figure', 'queue_figure', 'memory_figure', 'StepperState',
-           'EngineStepper', 'contiguous_vs_paged', 'prefix_sharing', 'trace_animation', 'trace_html', 'embed_controls']
+           'summary_html', 'map_figure', 'batch_figure', 'queue_figure', 'memory_figure', 'trace_animation',
+           'trace_html', 'StepperState', 'EngineStepper', 'contiguous_vs_paged', 'prefix_sharing', 'embed_controls']
 
 # %% ../nbs/08a_widgets.ipynb #2bb5fcdb
 import html as _html, json, math
@@ -239,6 +239,91 @@ def _apply(fig, panel, first=0):
     for k, d in enumerate(panel): fig.data[first + k].update(d)
     return fig
 
+# %% ../nbs/08a_widgets.ipynb #d3dd38a9
+def trace_animation(trace: Trace, title: str | None = None):
+    "The stepper's panels (page map, batch, queues, memory) as one self-contained plotly animation: frames, slider, Play."
+    go = _go()
+    from plotly.subplots import make_subplots
+    if not len(trace): raise ValueError("the trace has no steps to animate")
+    geo = geometry(trace)
+    parts = dict(map=map_figure(trace, geo), batch=batch_figure(trace), queues=queue_figure(trace), memory=memory_figure(trace))
+    W = max(1000, parts["map"].layout.width + 560); mapw = parts["map"].layout.width/W
+    H = max(720, parts["map"].layout.height + 230)
+    fig = make_subplots(rows=3, cols=2, column_widths=[mapw, 1 - mapw], row_heights=[.2, .35, .45], horizontal_spacing=.06, vertical_spacing=.09,
+                        specs=[[{"rowspan": 3}, {}], [None, {}], [None, {}]], subplot_titles=("pages", "batch (tokens)", "queues", "memory over time"))
+    where = dict(map=(1, 1), batch=(1, 2), queues=(2, 2), memory=(3, 2))
+    index = {}
+    for name, part in parts.items():
+        r, c = where[name]; index[name] = []
+        for t in part.data:
+            index[name].append(len(fig.data)); fig.add_trace(t, row=r, col=c)
+        ax = part.layout
+        fig.update_xaxes(ax.xaxis, row=r, col=c); fig.update_yaxes(ax.yaxis, row=r, col=c)
+    fig.update_yaxes(scaleanchor="x", constraintoward="top", row=1, col=1)
+    dyn = index["map"][:6] + index["batch"] + index["queues"] + [index["memory"][-1]]
+    def frame(i):
+        p = map_panel(trace, i, geo) + batch_panel(trace, i) + queue_panel(trace, i) + [memory_cursor(i)]
+        return [type(fig.data[k])(**d) for k, d in zip(dyn, p)]
+    for k, d in zip(dyn, frame(0)): fig.data[k].update(d)
+    fig.frames = [go.Frame(name=str(i), data=frame(i), traces=dyn, layout=dict(title=dict(text=_frame_title(trace, i, title))))
+                  for i in range(len(trace))]
+    _animation_controls(fig, len(trace))
+    fig.update_layout(width=W, height=H, plot_bgcolor="white", title=dict(text=_frame_title(trace, 0, title), font=dict(size=13)),
+                      margin=dict(l=70, r=10, t=70, b=230), legend=dict(orientation="h", y=-.45, yanchor="top", x=0, font=dict(size=9)))
+    fig.layout.meta = dict(pagednb_trace=True, steps=len(trace), summaries=[summary_html(trace, i) for i in range(len(trace))])
+    return fig
+
+def _frame_title(trace, i, title=None):
+    st = trace.steps[i]; m = trace.meta
+    head = title or f"{m.get('model', 'model')}: {m['num_blocks']} pages of {m['block_size']}, budget {m['max_num_batched_tokens']}"
+    ev = (f" · preempted {st['preempted']}" if st["preempted"] else "") + (f" · shares {sorted(int(k) for k in st['shared'])}" if st["shared"] else "")
+    return f"{_esc(head)}<br><sub>step {i}: {st['batched']}/{st['budget']} tokens{ev}</sub>"
+
+def _animation_controls(fig, n, prefix="step "):
+    "Play/Pause buttons and a slider over frames named '0'..'n-1'."
+    fr = lambda names, d: [names, dict(mode="immediate", frame=dict(duration=d, redraw=True), transition=dict(duration=0), fromcurrent=True)]
+    fig.update_layout(
+        updatemenus=[dict(type="buttons", direction="left", x=0, xanchor="left", y=-.1, yanchor="top", showactive=False, pad=dict(t=30, r=10),
+                          buttons=[dict(label="▶ Play", method="animate", args=fr(None, 700)),
+                                   dict(label="❚❚ Pause", method="animate", args=fr([None], 0))])],
+        sliders=[dict(active=0, x=.16, len=.84, y=-.1, yanchor="top", pad=dict(t=30), currentvalue=dict(prefix=prefix, font=dict(size=11)),
+                      steps=[dict(label=str(i), method="animate", args=fr([str(i)], 0)) for i in range(n)])])
+
+# %% ../nbs/08a_widgets.ipynb #4d4180ee
+_STEP_JS = """
+(function(){
+  var gd = document.getElementById('%(div)s'), n = %(n)d, i = 0;
+  var sums = (gd.layout.meta && gd.layout.meta.summaries) || [];
+  var label = document.getElementById('%(div)s-label'), text = document.getElementById('%(div)s-text');
+  function show(k){ i = Math.max(0, Math.min(n - 1, k)); label.textContent = 'step ' + i + ' / ' + (n - 1);
+                    text.innerHTML = sums[i] || ''; gd.setAttribute('data-step', i); }
+  function go(k){ show(k); Plotly.animate(gd, [String(i)], {mode: 'immediate', frame: {duration: 0, redraw: true}, transition: {duration: 0}}); }
+  gd.on('plotly_animatingframe', function(e){ show(parseInt(e.name)); });
+  gd.on('plotly_sliderchange', function(e){ show(parseInt(e.step.label)); });
+  document.getElementById('%(div)s-reset').onclick = function(){ go(0); };
+  document.getElementById('%(div)s-back').onclick = function(){ go(i - 1); };
+  document.getElementById('%(div)s-step').onclick = function(){ go(i + 1); };
+  window.pagednbStep = window.pagednbStep || {}; window.pagednbStep['%(div)s'] = go;
+  show(0);
+})();
+"""
+
+def trace_html(trace_or_fig, path=None, include_plotlyjs=True, div_id: str = "pagednb-trace", full_html: bool = True, title: str | None = None) -> str:
+    "A kernel-free page of a trace: the `trace_animation` figure with Reset/Back/Step buttons and the step's text; written to `path` if given."
+    fig = trace_or_fig if not isinstance(trace_or_fig, Trace) else trace_animation(trace_or_fig, title)
+    n = len(fig.frames)
+    if not n: raise ValueError("the figure has no frames: pass a Trace or a figure from trace_animation")
+    js = _STEP_JS % dict(div=div_id, n=n)
+    plot = fig.to_html(full_html=False, include_plotlyjs=include_plotlyjs, div_id=div_id, post_script=js, auto_play=False)
+    btn = lambda k, t: f"<button id='{div_id}-{k}' style='margin-right:6px'>{t}</button>"
+    bar = (f"<div class='pagednb-stepbar' style='font:13px sans-serif;margin:6px 0'>{btn('reset', '« Reset')}{btn('back', '◀ Back')}"
+           f"{btn('step', 'Step ▶')}<span id='{div_id}-label'></span></div>")
+    body = f"{bar}<div id='{div_id}-text' style='min-height:5em'></div>{plot}"
+    page = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{_esc(title or 'pagednb trace')}</title></head><body>{body}</body></html>"
+            if full_html else body)
+    if path is not None: Path(path).write_text(page, encoding="utf-8")
+    return page
+
 # %% ../nbs/08a_widgets.ipynb #6396e1af
 class StepperState:
     "A trace, the current step index, and the data of every panel at that step; no widgets."
@@ -326,9 +411,19 @@ def _render(self: EngineStepper, k):
     with o: display(self.figs[k])
 
 @patch
-def _ipython_display_(self: EngineStepper):
-    from IPython.display import display
-    display(self.widget)
+def to_html(self: EngineStepper) -> str:
+    "The run so far with no kernel (`trace_html`): Play, slider, Reset/Back/Step; no live buttons (they need Python)."
+    import uuid
+    if not self.num_steps: return "<div class='pagednb-stepper'><i>no steps yet</i></div>"
+    div = f"pagednb-stepper-{uuid.uuid4().hex[:10]}"
+    return f"<div class='pagednb-stepper'>{trace_html(self.trace, include_plotlyjs=False, div_id=div, full_html=False)}</div>"
+
+@patch
+def _repr_mimebundle_(self: EngineStepper, include=None, exclude=None):
+    "The widget, for a frontend with a kernel; `to_html` as text/html, for a page without one."
+    bundle = dict(self.widget._repr_mimebundle_() or {})
+    bundle["text/html"] = self.to_html()
+    return bundle
 
 # %% ../nbs/08a_widgets.ipynb #12ecb06d
 @patch
@@ -425,7 +520,8 @@ def _grew(self: EngineStepper):
         f = self.figs[name]
         with _batch(f):
             f.update_layout(fig.layout.to_plotly_json())
-            for k, d in enumerate(fig.data): f.data[k].update(d.to_plotly_json())
+            for k, d in enumerate(fig.data):          # not the fresh figure's uids: the frontend knows its traces by theirs
+                f.data[k].update({p: v for p, v in d.to_plotly_json().items() if p not in ("uid", "type")})
     self.go(n)
 
 # %% ../nbs/08a_widgets.ipynb #bf415117
@@ -448,13 +544,18 @@ def rerun(self: EngineStepper, block_size=None, num_blocks=None, enable_prefix_c
     llm = LLM((e.model, e.tokenizer, e.model_config), **kw)        # raises a clear error for knobs that cannot work
     self.trace.detach()
     for rid, r in reqs.items():
-        p = r["params"] if isinstance(r["params"], SamplingParams) else SamplingParams(**r["params"])
+        p = r["params"] if isinstance(r["params"], SamplingParams) else SamplingParams(**_init_args(SamplingParams, r["params"]))
         llm.engine.add_request(rid, dict(prompt=r["prompt"], prompt_token_ids=r["prompt_token_ids"]), p)
     self.llm, self.engine, self.trace = llm, llm.engine, Trace.attach(llm.engine)
     if run:
         while self.engine.has_unfinished_requests(): self.engine.step()
     self._grew(); self.go(0)
     return self
+
+def _init_args(cls, d: dict) -> dict:
+    "The entries of a recorded dataclass that its constructor takes (not fields it derives, like resolved token ids)."
+    import dataclasses
+    return {f.name: d[f.name] for f in dataclasses.fields(cls) if f.init and f.name in d}
 
 # %% ../nbs/08a_widgets.ipynb #785bd0fe
 def contiguous_vs_paged(trace: Trace, reserve: str = "max_model_len"):
@@ -505,16 +606,6 @@ def contiguous_vs_paged(trace: Trace, reserve: str = "max_model_len"):
     fig.update_xaxes(range=[0, top*1.02], title=dict(text="KV slots (tokens)", font=dict(size=10)))
     return fig
 
-def _animation_controls(fig, n, prefix="step "):
-    "Play/Pause buttons and a slider over frames named '0'..'n-1'."
-    fr = lambda names, d: [names, dict(mode="immediate", frame=dict(duration=d, redraw=True), transition=dict(duration=0), fromcurrent=True)]
-    fig.update_layout(
-        updatemenus=[dict(type="buttons", direction="left", x=0, xanchor="left", y=-.1, yanchor="top", showactive=False, pad=dict(t=30, r=10),
-                          buttons=[dict(label="▶ Play", method="animate", args=fr(None, 700)),
-                                   dict(label="❚❚ Pause", method="animate", args=fr([None], 0))])],
-        sliders=[dict(active=0, x=.16, len=.84, y=-.1, yanchor="top", pad=dict(t=30), currentvalue=dict(prefix=prefix, font=dict(size=11)),
-                      steps=[dict(label=str(i), method="animate", args=fr([str(i)], 0)) for i in range(n)])])
-
 # %% ../nbs/08a_widgets.ipynb #9bdbae27
 def prefix_sharing(trace: Trace, i: int | None = None):
     "Sankey of block tables at step `i` (default: the most sharing): sequences on the left, physical pages on the right."
@@ -540,81 +631,6 @@ def prefix_sharing(trace: Trace, i: int | None = None):
     fig.update_layout(title=dict(text=f"step {i}: {len(seqs)} sequences share pages {shared}", font=dict(size=13)), height=420, width=700,
                       margin=dict(l=10, r=10, t=40, b=10))
     return fig
-
-# %% ../nbs/08a_widgets.ipynb #d3dd38a9
-def trace_animation(trace: Trace, title: str | None = None):
-    "The stepper's panels (page map, batch, queues, memory) as one self-contained plotly animation: frames, slider, Play."
-    go = _go()
-    from plotly.subplots import make_subplots
-    if not len(trace): raise ValueError("the trace has no steps to animate")
-    geo = geometry(trace)
-    parts = dict(map=map_figure(trace, geo), batch=batch_figure(trace), queues=queue_figure(trace), memory=memory_figure(trace))
-    W = max(1000, parts["map"].layout.width + 560); mapw = parts["map"].layout.width/W
-    H = max(720, parts["map"].layout.height + 230)
-    fig = make_subplots(rows=3, cols=2, column_widths=[mapw, 1 - mapw], row_heights=[.2, .35, .45], horizontal_spacing=.06, vertical_spacing=.09,
-                        specs=[[{"rowspan": 3}, {}], [None, {}], [None, {}]], subplot_titles=("pages", "batch (tokens)", "queues", "memory over time"))
-    where = dict(map=(1, 1), batch=(1, 2), queues=(2, 2), memory=(3, 2))
-    index = {}
-    for name, part in parts.items():
-        r, c = where[name]; index[name] = []
-        for t in part.data:
-            index[name].append(len(fig.data)); fig.add_trace(t, row=r, col=c)
-        ax = part.layout
-        fig.update_xaxes(ax.xaxis, row=r, col=c); fig.update_yaxes(ax.yaxis, row=r, col=c)
-    fig.update_yaxes(scaleanchor="x", constraintoward="top", row=1, col=1)
-    dyn = index["map"][:6] + index["batch"] + index["queues"] + [index["memory"][-1]]
-    def frame(i):
-        p = map_panel(trace, i, geo) + batch_panel(trace, i) + queue_panel(trace, i) + [memory_cursor(i)]
-        return [type(fig.data[k])(**d) for k, d in zip(dyn, p)]
-    for k, d in zip(dyn, frame(0)): fig.data[k].update(d)
-    fig.frames = [go.Frame(name=str(i), data=frame(i), traces=dyn, layout=dict(title=dict(text=_frame_title(trace, i, title))))
-                  for i in range(len(trace))]
-    _animation_controls(fig, len(trace))
-    fig.update_layout(width=W, height=H, plot_bgcolor="white", title=dict(text=_frame_title(trace, 0, title), font=dict(size=13)),
-                      margin=dict(l=70, r=10, t=70, b=230), legend=dict(orientation="h", y=-.45, yanchor="top", x=0, font=dict(size=9)))
-    fig.layout.meta = dict(pagednb_trace=True, steps=len(trace), summaries=[summary_html(trace, i) for i in range(len(trace))])
-    return fig
-
-def _frame_title(trace, i, title=None):
-    st = trace.steps[i]; m = trace.meta
-    head = title or f"{m.get('model', 'model')}: {m['num_blocks']} pages of {m['block_size']}, budget {m['max_num_batched_tokens']}"
-    ev = (f" · preempted {st['preempted']}" if st["preempted"] else "") + (f" · shares {sorted(int(k) for k in st['shared'])}" if st["shared"] else "")
-    return f"{_esc(head)}<br><sub>step {i}: {st['batched']}/{st['budget']} tokens{ev}</sub>"
-
-# %% ../nbs/08a_widgets.ipynb #4d4180ee
-_STEP_JS = """
-(function(){
-  var gd = document.getElementById('%(div)s'), n = %(n)d, i = 0;
-  var sums = (gd.layout.meta && gd.layout.meta.summaries) || [];
-  var label = document.getElementById('%(div)s-label'), text = document.getElementById('%(div)s-text');
-  function show(k){ i = Math.max(0, Math.min(n - 1, k)); label.textContent = 'step ' + i + ' / ' + (n - 1);
-                    text.innerHTML = sums[i] || ''; gd.setAttribute('data-step', i); }
-  function go(k){ show(k); Plotly.animate(gd, [String(i)], {mode: 'immediate', frame: {duration: 0, redraw: true}, transition: {duration: 0}}); }
-  gd.on('plotly_animatingframe', function(e){ show(parseInt(e.name)); });
-  gd.on('plotly_sliderchange', function(e){ show(parseInt(e.step.label)); });
-  document.getElementById('%(div)s-reset').onclick = function(){ go(0); };
-  document.getElementById('%(div)s-back').onclick = function(){ go(i - 1); };
-  document.getElementById('%(div)s-step').onclick = function(){ go(i + 1); };
-  window.pagednbStep = window.pagednbStep || {}; window.pagednbStep['%(div)s'] = go;
-  show(0);
-})();
-"""
-
-def trace_html(trace_or_fig, path=None, include_plotlyjs=True, div_id: str = "pagednb-trace", full_html: bool = True, title: str | None = None) -> str:
-    "A kernel-free page of a trace: the `trace_animation` figure with Reset/Back/Step buttons and the step's text; written to `path` if given."
-    fig = trace_or_fig if not isinstance(trace_or_fig, Trace) else trace_animation(trace_or_fig, title)
-    n = len(fig.frames)
-    if not n: raise ValueError("the figure has no frames: pass a Trace or a figure from trace_animation")
-    js = _STEP_JS % dict(div=div_id, n=n)
-    plot = fig.to_html(full_html=False, include_plotlyjs=include_plotlyjs, div_id=div_id, post_script=js, auto_play=False)
-    btn = lambda k, t: f"<button id='{div_id}-{k}' style='margin-right:6px'>{t}</button>"
-    bar = (f"<div class='pagednb-stepbar' style='font:13px sans-serif;margin:6px 0'>{btn('reset', '« Reset')}{btn('back', '◀ Back')}"
-           f"{btn('step', 'Step ▶')}<span id='{div_id}-label'></span></div>")
-    body = f"{bar}<div id='{div_id}-text' style='min-height:5em'></div>{plot}"
-    page = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{_esc(title or 'pagednb trace')}</title></head><body>{body}</body></html>"
-            if full_html else body)
-    if path is not None: Path(path).write_text(page, encoding="utf-8")
-    return page
 
 # %% ../nbs/08a_widgets.ipynb #c21d8269
 _BRIDGE_JS = """

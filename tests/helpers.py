@@ -8,6 +8,8 @@ FAMILIES = {
     "mistral": dict(model_type="mistral"),
     "qwen2": dict(model_type="qwen2"),
     "smollm2_tied": dict(model_type="llama", tie_word_embeddings=True),
+    "qwen3": dict(model_type="qwen3", head_dim=32),                     # head_dim is not hidden_size / heads (16)
+    "qwen3_tied": dict(model_type="qwen3", head_dim=24, tie_word_embeddings=True),
 }
 
 def tiny_hf_model(family="llama", path=None, seed=0, **kw):
@@ -21,9 +23,10 @@ def tiny_hf_model(family="llama", path=None, seed=0, **kw):
     cfg = AutoConfig.for_model(mt, **base)
     torch.manual_seed(seed)
     m = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
-    with torch.no_grad():                                  # biases are zero-initialised: make them count
+    with torch.no_grad():                                  # biases are zero-initialised, Qwen3's q/k norms ones: make them count
         for n, p in m.named_parameters():
             if n.endswith("bias"): p.normal_(0, 0.1)
+            if n.endswith(("q_norm.weight", "k_norm.weight")): p.normal_(1.0, 0.3)
     if path is not None: m.save_pretrained(path)
     return m
 

@@ -28,7 +28,8 @@ def test_main_quick_json(capsys, monkeypatch):
         assert words in text
 
 @pytest.mark.parametrize("argv, words", [(["--only", "nope"], "unknown benchmark"), (["--threads", "0"], "--threads"),
-                                         (["--vllm-python", "/nonexistent/python"], "does not exist")])
+                                         (["--vllm-python", "/nonexistent/python"], "does not exist"),
+                                         (["--only", "guidellm", "--guidellm", "/nonexistent/guidellm"], "PAGEDNB_GUIDELLM")])
 def test_bad_arguments(argv, words, capsys):
     with pytest.raises(SystemExit): main(argv)
     assert words in capsys.readouterr().err
@@ -39,3 +40,60 @@ def test_workload_and_vllm_lookup(monkeypatch):
     with pytest.raises(ValueError, match="prompt_len"): make_workload(3, (8, 4))
     monkeypatch.delenv(VLLM_ENV, raising=False)
     assert find_vllm_python() is None
+
+# ---- the GuideLLM serving benchmark: its plumbing, with a stand-in for guidellm (CI has no GuideLLM install) ----------
+import os, stat, sys
+from pagednb.bench import (GUIDELLM_ENV, find_guidellm, guidellm_command, parse_guidellm, bench_guidellm, format_guidellm,
+                           server_command)
+
+def _dist(mean, p50, p95): return dict(successful=dict(mean=mean, median=p50, percentiles=dict(p50=p50, p95=p95)))
+
+REPORT = dict(metadata=dict(guidellm_version="0.8.1"), benchmarks=[dict(duration=3.0, requests=dict(errored=[]), metrics=dict(
+    output_tokens_per_second=_dist(50.0, 49.0, 60.0), time_to_first_token_ms=_dist(200.0, 180.0, 400.0),
+    inter_token_latency_ms=_dist(40.0, 38.0, 70.0), request_latency=_dist(1.5, 1.4, 2.0),
+    request_totals=dict(successful=4, errored=0, incomplete=0, total=4)))])
+
+# A stand-in `guidellm run`: checks the server it is pointed at answers /health and /v1/models, then writes REPORT.
+FAKE_GUIDELLM = f'''#!{sys.executable}
+import json, sys, urllib.request
+args = dict(zip(sys.argv[2::2], sys.argv[3::2]))
+opts = lambda flag: dict(kv.split("=", 1) for kv in args[flag].split(","))
+target = opts("--backend")["target"]
+assert urllib.request.urlopen(target + "/health").status == 200
+assert json.load(urllib.request.urlopen(target + "/v1/models"))["data"]
+json.dump({json.dumps(REPORT)}, open(opts("--output")["path"], "w"))
+'''
+
+def test_guidellm_pieces(tmp_path, monkeypatch):
+    cmd = guidellm_command("guidellm", "http://127.0.0.1:8000", "text", "MODEL", "r.json", streams=8, max_requests=16)
+    assert cmd[:2] == ["guidellm", "run"] and "kind=concurrent,streams=8" in cmd and "kind=max_requests,count=16" in cmd
+    assert any("request_format=/v1/completions" in c for c in cmd)
+    r = parse_guidellm(REPORT)
+    assert (r["output_tok_s"], r["ttft_p50_ms"], r["itl_p95_ms"], r["errored"], r["first_error"]) == (50.0, 180.0, 70.0, 0, None)
+    cmd, env = server_command("vllm", "MODEL", 8001, threads=2, kv_gib=1, python="py")
+    assert cmd[:3] == ["py", "-m", "vllm.entrypoints.openai.api_server"] and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    monkeypatch.delenv(GUIDELLM_ENV, raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert find_guidellm() is None
+    with pytest.raises(FileNotFoundError, match=GUIDELLM_ENV): find_guidellm(str(tmp_path / "nope"))
+
+def test_only_guidellm_without_guidellm(capsys, monkeypatch, tmp_path):
+    monkeypatch.delenv(GUIDELLM_ENV, raising=False)
+    monkeypatch.delenv(VLLM_ENV, raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    out = main(["--only", "guidellm", "--quick", "--json"])
+    rows = out["results"]["guidellm"]["rows"]
+    assert len(rows) == 1 and GUIDELLM_ENV in rows[0]["skipped"]
+    assert "skipped" in format_guidellm(out["results"]["guidellm"])
+
+def test_guidellm_against_pagednb_serve(tmp_path, monkeypatch):
+    "The whole loop with the stand-in: `pagednb serve` starts, is probed, stops; the report is parsed into the table."
+    fake = tmp_path / "guidellm"
+    fake.write_text(FAKE_GUIDELLM)
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv(GUIDELLM_ENV, str(fake))
+    g = bench_guidellm(find_guidellm(), None, threads=1, quick=True, apis=("text",))
+    pg, vllm = g["rows"]
+    assert pg["engine"] == "pagednb" and pg["api"] == "text" and pg["output_tok_s"] == 50.0 and pg["errored"] == 0, pg
+    assert "skipped" in vllm and VLLM_ENV in vllm["skipped"]
+    assert "pagednb serve" in format_guidellm(g)

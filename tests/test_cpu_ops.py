@@ -232,3 +232,49 @@ def test_default_dtype_does_not_leak_in(tmp_path):
         torch.testing.assert_close(logits(model, ids, pos, lens), ref, atol=1e-4, rtol=1e-4)
         assert O.silu_mul(torch.randn(2, 8, dtype=torch.float32)).dtype == torch.float32
     finally: torch.set_default_dtype(old)
+
+# --- Qwen3: per-head q/k RMSNorm before RoPE, in the same C++ pass
+
+@pytest.mark.parametrize("shape", [(1, 16, 8, 128), (37, 4, 2, 32), (5, 3, 1, 24), (200, 14, 2, 64), (4, 3, 3, 6)])
+def test_split_qkv_rope_with_qk_norm(shape, threads):
+    from pagednb.model import RMSNorm
+    T, H, KVH, D = shape
+    g = torch.Generator().manual_seed(T + D)
+    rot, qkv = Rotary(D, 512, 1e6), torch.randn(T, (H + 2 * KVH) * D, generator=g) * 5
+    pos = torch.randint(0, 512, (T,), generator=g)
+    qn, kn = RMSNorm(D, 1e-6), RMSNorm(D, 1e-6)
+    with torch.no_grad():
+        for n in (qn, kn): n.weight.copy_(1 + 0.3 * torch.randn(D, generator=g))
+        q, k, v = qkv.split([H * D, KVH * D, KVH * D], -1)
+        rq, rk = rot(pos, qn(q.reshape(T, H, D)), kn(k.reshape(T, KVH, D)))
+    fq, fk, fv = O.split_qkv_rope(qkv, pos, rot.cos, rot.sin, H, KVH, qn.weight.detach(), kn.weight.detach(), 1e-6)
+    torch.testing.assert_close(fq, rq, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fk, rk, atol=1e-5, rtol=1e-5)
+    assert torch.equal(fv, v.reshape(T, KVH, D))
+    with pytest.raises(ValueError, match="both q_weight and k_weight"): O.split_qkv_rope(qkv, pos, rot.cos, rot.sin, H, KVH, qn.weight)
+    with pytest.raises(ValueError, match="k_weight has shape"):
+        O.split_qkv_rope(qkv, pos, rot.cos, rot.sin, H, KVH, qn.weight.detach(), torch.ones(D + 2))
+    with pytest.raises(TypeError, match="q_weight has dtype"):
+        O.split_qkv_rope(qkv, pos, rot.cos, rot.sin, H, KVH, qn.weight.detach().double(), kn.weight.detach())
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_tied"])
+def test_fused_qwen3_matches_hf_and_greedy(family, tmp_path):
+    hf = tiny_hf_model(family, tmp_path)
+    model, _, cfg = load_model(tmp_path, dtype="float32", device="cpu")
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (3, 17, 40)]
+    before = greedy_generate(model, prompts, 16)
+    assert O.fuse_for_cpu(model) == cfg.num_hidden_layers
+    a = model.model.layers[0].self_attn
+    assert type(a) is O.FusedAttention and a.q_norm.weight.shape == (cfg.head_dim,) and cfg.head_dim != cfg.hidden_size // cfg.num_attention_heads
+    x = torch.randint(0, 256, (37,), generator=g)
+    with torch.inference_mode(): ref = hf(x[None]).logits[0]
+    torch.testing.assert_close(logits(model, x, torch.arange(37), [37]), ref, atol=1e-4, rtol=1e-4)
+    assert greedy_generate(model, prompts, 16) == before
+    for p, o in zip(prompts, before):
+        t = torch.tensor([p])
+        want = hf.generate(t, attention_mask=torch.ones_like(t), max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0)
+        assert o == want[0, len(p):].tolist()
+    model.requires_grad_(True)                                       # autograd: the torch path applies the norms too
+    out = model.compute_logits(model(x, torch.arange(37), NoCacheAttention([37])))
+    torch.testing.assert_close(out.detach(), ref, atol=1e-4, rtol=1e-4)

