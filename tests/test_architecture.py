@@ -1,0 +1,134 @@
+"""What must never import what (ARCHITECTURE.md), checked with `ast` over `pagednb/*.py`.
+
+Every import is read, at module level and inside functions, in its relative (`from .engine import x`) and
+absolute (`from pagednb.engine import x`, `import pagednb.engine as E`) forms. A failure names the file, the
+line and the rule."""
+import ast
+from pathlib import Path
+import pytest
+
+PKG = Path(__file__).resolve().parent.parent / "pagednb"
+MODULES = sorted(p.stem for p in PKG.glob("*.py") if p.stem != "_modidx")
+KERNELS = ("attention", "cpu_attention", "cpu_ops")
+
+def _target(node):
+    "The pagednb module (`'engine'`; `'__init__'` for the package) or the top-level package an import names."
+    if isinstance(node, ast.Import): return [_absolute(a.name) for a in node.names]
+    if node.level:                                             # from . import x / from .x import y
+        base = node.module or ""
+        return [_submodule(base, a.name) for a in node.names]
+    if node.module == "pagednb": return [_submodule("", a.name) for a in node.names]
+    return [_absolute(node.module)]
+
+def _absolute(name):
+    parts = name.split(".")
+    if parts[0] != "pagednb": return parts[0]                 # a third-party or standard package: its top name
+    return "pagednb." + (parts[1] if len(parts) > 1 else "__init__")
+
+def _submodule(base, name):
+    "`from .base import name` / `from pagednb import name`: a module of the package where one has that name."
+    if base: return "pagednb." + base.split(".")[0]
+    return "pagednb." + (name if name in MODULES else "__init__")
+
+class _Imports(ast.NodeVisitor):
+    "Each import of a file as (line, target, source text, inside a function?)."
+    def __init__(self, src): self.src, self.found, self.depth = src, [], 0
+    def _function(self, node):
+        self.depth += 1
+        self.generic_visit(node)
+        self.depth -= 1
+    visit_FunctionDef = visit_AsyncFunctionDef = visit_Lambda = _function
+    def _import(self, node):
+        text = ast.get_source_segment(self.src, node)
+        for t in _target(node): self.found.append((node.lineno, t, text, self.depth > 0))
+    visit_Import = visit_ImportFrom = _import
+
+def imports(module):
+    "The imports of `pagednb/<module>.py`: (line, target, text, in_function)."
+    src = (PKG / f"{module}.py").read_text()
+    v = _Imports(src)
+    v.visit(ast.parse(src))
+    return v.found
+
+ALL = {m: imports(m) for m in MODULES}
+
+def graph():
+    "pagednb module -> the pagednb modules it imports (module level and inside functions)."
+    return {m: sorted({t[len("pagednb."):] for _, t, _, _ in ALL[m] if t.startswith("pagednb.")} - {m})
+            for m in MODULES}
+
+def where(module, line, text): return f"pagednb/{module}.py:{line}: `{text}`"
+
+def importers_of(modules, forbidden):
+    "Each import, by one of `modules`, of a pagednb module in `forbidden`: (module, line, text)."
+    return [(m, line, text) for m in modules if m in ALL for line, t, text, _ in ALL[m]
+            if t in {f"pagednb.{f}" for f in forbidden}]
+
+def check(violations, rule):
+    assert not violations, f"{rule}:\n" + "\n".join(where(*v) for v in violations)
+
+def torch_importers(module, seen=None):
+    "Imports of torch by `module` or by any pagednb module it imports, directly or not: (module, line, text)."
+    seen = set() if seen is None else seen
+    if module in seen or module not in ALL: return []
+    seen.add(module)
+    found = [(module, line, text) for line, t, text, _ in ALL[module] if t == "torch"]
+    for dep in graph()[module]: found += torch_importers(dep, seen)
+    return found
+
+@pytest.mark.parametrize("module", ["block_manager", "prefix_cache"])
+def test_memory_bookkeeping_imports_no_torch(module):
+    check(torch_importers(module), f"{module} imports no torch (memory bookkeeping knows no tensors), "
+                                   "not even through another pagednb module")
+
+def test_scheduler_imports_no_model_runner_or_engine():
+    check(importers_of(["scheduler"], ["model", "runner", "engine"]),
+          "the scheduler plans and the runner runs: the scheduler imports no model, runner or engine")
+
+def test_kernels_are_leaves():
+    check(importers_of(KERNELS, ["engine", "runner", "scheduler", "widgets"]),
+          "kernels (attention, cpu_attention, cpu_ops) are leaves: they import no engine, runner, scheduler or view")
+
+def test_engine_imports_no_view_or_server():
+    check(importers_of(["engine"], ["widgets", "serve"]), "the engine imports no widgets and no server")
+
+def test_trace_is_data():
+    check(importers_of(["trace"], ["widgets"]), "the trace is data, drawn by others: trace imports no widgets")
+
+def test_no_pagednb_import_inside_a_function():
+    found = [(m, line, text) for m in MODULES for line, t, text, inside in ALL[m] if inside and t.startswith("pagednb.")]
+    check(found, "no import of a pagednb module inside a function (import it at the top; if that makes a circle, "
+                 "the code is in the wrong module)")
+
+def find_cycle(g):
+    "One import circle of graph `g` as a list of modules (first == last), or None."
+    state, path = {}, []
+    def visit(m):
+        state[m] = "open"
+        path.append(m)
+        for d in g.get(m, []):
+            if state.get(d) == "open": return path[path.index(d):] + [d]
+            if d not in state and (c := visit(d)): return c
+        state[m] = "done"
+        path.pop()
+        return None
+    for m in g:
+        if m not in state and (c := visit(m)): return c
+    return None
+
+def test_no_import_cycle():
+    cycle = find_cycle(graph())
+    assert cycle is None, "import circle: " + " -> ".join(cycle) + "\n" + "\n".join(
+        where(a, line, text) for a, b in zip(cycle, cycle[1:]) for line, t, text, _ in ALL[a] if t == f"pagednb.{b}")
+
+def test_the_checks_see_every_form():
+    "The reader itself: relative, absolute, package-level and in-function imports all resolve to the module."
+    src = ("from .engine import LLM\nimport pagednb.runner as R\nfrom pagednb import scheduler, __version__\n"
+           "def f():\n    from pagednb.trace import Trace\n    import torch.nn\n")
+    v = _Imports(src)
+    v.visit(ast.parse(src))
+    got = [(t, inside) for _, t, _, inside in v.found]
+    assert got == [("pagednb.engine", False), ("pagednb.runner", False), ("pagednb.scheduler", False),
+                   ("pagednb.__init__", False), ("pagednb.trace", True), ("torch", True)], got
+    assert find_cycle({"a": ["b"], "b": ["c"], "c": ["a"]}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": ["b"], "b": []}) is None
