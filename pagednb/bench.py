@@ -18,6 +18,13 @@ __all__ = ['VLLM_ENV', 'PREFIX_SIZES', 'CHUNKED_SIZES', 'GROUNDED_PROMPTS', 'OPE
 import argparse, json, os, platform, random, statistics, subprocess, sys, tempfile, time, textwrap
 from dataclasses import dataclass, field, asdict
 import torch
+import torch.nn as nn
+import pagednb
+from . import engine as E, runner as R, attention as A, cpu_ops as O
+from .engine import LLM
+from .sampling import SamplingParams
+from .kv_cache import kv_bytes_per_token
+from .model import resolve_model
 
 # %% ../nbs/09_benchmarks.ipynb #64160df6
 def _cpu_name():
@@ -67,12 +74,10 @@ def make_workload(num_requests=64, prompt_len=(32, 512), output_len=(16, 256), s
 # %% ../nbs/09_benchmarks.ipynb #c1e4d7ab
 def greedy(n):
     "Greedy `SamplingParams` for exactly `n` output tokens."
-    from pagednb.sampling import SamplingParams
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
 def kv_bytes_for(workload, parts, max_model_len=2048, block_size=16, slack=1.25):
     "A KV budget that holds every request of `workload` at once (with some slack), and at least one of `max_model_len`, in bytes."
-    from pagednb.kv_cache import kv_bytes_per_token
     model, _, cfg = parts
     blocks = sum(-(-(len(p) + n) // block_size) for p, n in zip(workload.prompts, workload.output_lens))
     blocks = max(blocks, -(-max_model_len // block_size))
@@ -90,7 +95,6 @@ def _result(name, elapsed, workload, **extra):
 
 def run_pagednb(parts, workload, warmup=True, **llm_kwargs):
     "Run `workload` through one `LLM.generate` call on a fresh engine; returns the timing record and engine metrics."
-    from pagednb.engine import LLM
     kw = dict(kv_cache_memory_bytes=kv_bytes_for(workload, parts), max_model_len=2048, log=False) | llm_kwargs
     llm = LLM(parts, **kw)
     if warmup: llm.generate([workload.prompts[0][:16]]*2, greedy(2), use_tqdm=False)
@@ -111,7 +115,6 @@ def load_hf(path=None, dtype=torch.float32):
 
 def resolve_model_path(path=None):
     "The local Hugging Face folder of `path` (`None`: the embedded SmolLM2-135M-Instruct)."
-    from pagednb.model import resolve_model
     return resolve_model(path)
 
 @torch.inference_mode()
@@ -253,7 +256,6 @@ def prefix_workloads(num_requests=32, system_len=512, user_len=(32, 96), output_
     return shared, unique
 
 def _prefix_run(parts, workload, caching, sequential, warm_first=True, **kw):
-    from pagednb.engine import LLM
     llm = LLM(parts, enable_prefix_caching=caching, **(dict(kv_cache_memory_bytes=kv_bytes_for(workload, parts), max_model_len=2048, log=False) | kw))
     llm.generate([workload.prompts[0][-8:]], greedy(2), use_tqdm=False)          # warm-up, shares nothing
     m0, sps = llm.get_metrics(), [greedy(n) for n in workload.output_lens]
@@ -331,7 +333,6 @@ CHUNKED_SIZES = dict(full=dict(long_len=2000, num_decodes=8, decode_prompt_len=6
 
 def bench_chunked(parts, quick=False, long_len=None, chunk_budget=None, **llm_kwargs):
     "Longest inter-token gap of running decodes when a long prompt arrives, with and without chunked prefill."
-    from pagednb.engine import LLM
     d = CHUNKED_SIZES["quick" if quick else "full"]
     long_len, chunk_budget = long_len or d["long_len"], chunk_budget or d["chunk_budget"]
     num_decodes, decode_prompt_len, decode_len, long_output = d["num_decodes"], d["decode_prompt_len"], d["decode_len"], d["long_output"]
@@ -392,8 +393,6 @@ SPEC_CONFIGS = {"off": None, "ngram": NGRAM, "ngram, disable_by_batch_size=4": N
 # %% ../nbs/09_benchmarks.ipynb #05557091
 def _spec_run(parts, convs, max_tokens, config, batch):
     "Chat `convs` (all at once, or one at a time with `batch=False`) on a fresh engine; returns (token ids, seconds, metrics)."
-    from pagednb.engine import LLM
-    from pagednb.sampling import SamplingParams
     llm = LLM(parts, speculative_config=config, kv_cache_memory_bytes=256 << 20, max_model_len=2048, log=False)
     sp = SamplingParams(temperature=0, max_tokens=max_tokens)
     llm.chat([[{"role": "user", "content": "Hi"}]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)   # warm-up
@@ -452,8 +451,6 @@ def _patch(obj, name, sw, stage, undo):
 
 def profile_pagednb(parts, workload, **llm_kwargs):
     "Run `workload` on pagednb with a stopwatch on every stage of a step; returns seconds, ms per step and shares."
-    import torch.nn as nn, pagednb.engine as E, pagednb.attention as A
-    from pagednb.engine import LLM
     llm = LLM(parts, **(dict(kv_cache_memory_bytes=kv_bytes_for(workload, parts), max_model_len=2048, log=False) | llm_kwargs))
     llm.generate([workload.prompts[0][:16]]*2, greedy(2), use_tqdm=False)
     eng, model, sw, undo = llm.engine, parts[0], _Stopwatch(), []
@@ -462,13 +459,13 @@ def profile_pagednb(parts, workload, **llm_kwargs):
         for obj, name, stage in [(eng.scheduler, "schedule", "schedule"), (eng.scheduler, "update", "schedule"),
                                  (eng.runner, "prepare_inputs", "prepare_inputs"), (eng, "step", "step"), (eng, "_output", "outputs"),
                                  (model, "forward", "forward"), (model, "compute_logits", "lm_head"), (E, "sample", "sampling"),
-                                 (E.PagedAttentionBackend, "__call__", "attention"), (E, "paged_attention_cpu", "kernel"), (E, "check_slots", "checks"),
+                                 (R.PagedAttentionBackend, "__call__", "attention"), (R, "paged_attention_cpu", "kernel"), (R, "check_slots", "checks"),
                                  (A, "check_block_tables", "checks"), (A, "check_seq_metadata", "checks"), (A, "check_slots", "checks"),
                                  (A, "check_attention_args", "checks"), (A, "check_store_args", "checks"),
-                                 (A, "paged_attention_cpu", "kernel"), (A, "_attend_padded", "sdpa"), (A, "_attend_one", "sdpa")]:
+                                 (A, "_attend_padded", "sdpa"), (A, "_attend_one", "sdpa")]:
             _patch(obj, name, sw, stage, undo)
         for m in model.modules():      # the runner may have packed them (`PackedLinear`, on a CPU)
-            if isinstance(m, (nn.Linear, E.PackedLinear)) and m is not model.lm_head: _patch(m, "forward", sw, "linear", undo)
+            if isinstance(m, (nn.Linear, O.PackedLinear)) and m is not model.lm_head: _patch(m, "forward", sw, "linear", undo)
         t0 = time.perf_counter()
         llm.generate(workload.prompts, [greedy(n) for n in workload.output_lens], use_tqdm=False)
         total = time.perf_counter() - t0
@@ -684,7 +681,6 @@ def run_benchmarks(only=DEFAULT_BENCHMARKS, quick=False, threads=None, vllm_pyth
                    chunk_budget=None, model=None, num_requests=None, system_len=None, long_len=None, parts=None,
                    guidellm=None):
     "Run the named benchmarks in one process and return a report: the machine, the versions, and each result."
-    import pagednb
     unknown = [b for b in only if b not in BENCHMARKS]
     if unknown: raise ValueError(f"unknown benchmark(s) {unknown}; choose from {sorted(BENCHMARKS)}")
     if threads is not None:

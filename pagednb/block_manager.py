@@ -54,7 +54,7 @@ class Block:
     def __repr__(self):
         return f"Block({self.block_id}, ref_count={self.ref_count}, hashed={self.block_hash is not None})"
 
-# %% ../nbs/02_block_manager.ipynb #e30f5d06
+# %% ../nbs/02_block_manager.ipynb #2cc6c862
 class BlockManagerError(Exception):
     "Base class of the block manager's errors."
 
@@ -74,7 +74,7 @@ class UnknownSequenceError(BlockManagerError, LookupError):
 class InvalidBlockError(BlockManagerError, IndexError):
     "A block table refers to a block id outside the pool, or to a block nobody holds."
 
-# %% ../nbs/02_block_manager.ipynb #b7226d86
+# %% ../nbs/02_block_manager.ipynb #c01aefee
 def check_block_size(block_size) -> int:
     "Raise a clear `ValueError` unless `block_size` is a positive power of two."
     ok = isinstance(block_size, int) and not isinstance(block_size, bool) and block_size >= 1
@@ -106,7 +106,7 @@ class BlockManager:
                 f"used={self.num_used_blocks}, free={len(self.free_block_ids)}, "
                 f"cached_free={len(self.cached_free)}, seqs={len(self.seqs)})")
 
-# %% ../nbs/02_block_manager.ipynb #bdf620bf
+# %% ../nbs/02_block_manager.ipynb #5af67ac7
 @patch(as_prop=True)
 def num_free_blocks(self: BlockManager) -> int:
     "Blocks a new allocation can take: plain free plus evictable cached-free ones."
@@ -126,7 +126,7 @@ def usage(self: BlockManager) -> float:
 @patch(as_prop=True)
 def ref_counts(self: BlockManager) -> list[int]: return [b.ref_count for b in self.blocks]
 
-# %% ../nbs/02_block_manager.ipynb #8d229859
+# %% ../nbs/02_block_manager.ipynb #f5d3cd71
 @patch
 def check_block_table(self: BlockManager, block_table, allow_free: bool = False):
     "Raise `InvalidBlockError` for an id outside the pool (or, unless `allow_free`, a block nobody holds)."
@@ -145,7 +145,7 @@ def block_state(self: BlockManager, block_id: int) -> str:
     if self.blocks[block_id].ref_count: return "used"
     return "cached" if block_id in self.cached_free else "free"
 
-# %% ../nbs/02_block_manager.ipynb #dcefabe0
+# %% ../nbs/02_block_manager.ipynb #cb935c33
 @patch
 def _pop_free_block(self: BlockManager) -> int:
     "Take a block with no references: a plain free one first, else evict a cached one."
@@ -154,6 +154,7 @@ def _pop_free_block(self: BlockManager) -> int:
     self._num_used += 1
     return bid
 
+# %% ../nbs/02_block_manager.ipynb #5bc525f8
 @patch
 def _incref(self: BlockManager, bid: int):
     "One more block table holds block `bid` (a free one is taken back from its free queue)."
@@ -163,6 +164,7 @@ def _incref(self: BlockManager, bid: int):
         self._num_used += 1
     b.ref_count += 1
 
+# %% ../nbs/02_block_manager.ipynb #8277c8fb
 @patch
 def _decref(self: BlockManager, bid: int):
     "One block table less holds block `bid`; at 0 it is free."
@@ -172,7 +174,7 @@ def _decref(self: BlockManager, bid: int):
         self._num_used -= 1
         self._on_free(b)
 
-# %% ../nbs/02_block_manager.ipynb #45a17176
+# %% ../nbs/02_block_manager.ipynb #5bc84d77
 @patch
 def _on_free(self: BlockManager, block: Block):
     "A block nobody holds goes to the front of the free queue: reused first, so the pool stays compact."
@@ -188,7 +190,7 @@ def _evict(self: BlockManager) -> int:
     "No cached blocks to evict without a prefix cache."
     raise NoFreeBlocksError(1, 0, self.num_blocks)
 
-# %% ../nbs/02_block_manager.ipynb #b399a615
+# %% ../nbs/02_block_manager.ipynb #fb59c6c3
 @patch
 def get_computed_blocks(self: BlockManager, seq) -> list[int]:
     "Blocks of `seq`'s prompt already in the cache: none without prefix caching."
@@ -206,7 +208,7 @@ class Allocation:
     copies: list[tuple[int, int]] = field(default_factory=list) # (src_block, dst_block): copy K/V before the writes
     computed_blocks: list[int] = field(default_factory=list)    # prefix-cache hits, shared by reference
 
-# %% ../nbs/02_block_manager.ipynb #d14dc337
+# %% ../nbs/02_block_manager.ipynb #ea0ef792
 @patch
 def _plan_start(self: BlockManager, seq, computed_blocks):
     "(first position to compute, blocks already held, hit blocks to take back from cached-free) for `_plan`."
@@ -218,7 +220,7 @@ def _plan_start(self: BlockManager, seq, computed_blocks):
     revive = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
     return len(computed_blocks)*self.block_size, len(computed_blocks), revive
 
-# %% ../nbs/02_block_manager.ipynb #93afe3f3
+# %% ../nbs/02_block_manager.ipynb #3011d0f6
 @patch
 def _plan(self: BlockManager, seq, num_new_tokens: int, computed_blocks=(), num_lookahead_slots: int = 0):
     "(blocks needed from the pool, blocks to append, logical indices to copy-on-write); changes nothing."
@@ -235,12 +237,13 @@ def _plan(self: BlockManager, seq, num_new_tokens: int, computed_blocks=(), num_
     append = max(0, end_blocks - held)
     return append + len(cow) + revive, append, cow
 
+# %% ../nbs/02_block_manager.ipynb #26f643a7
 @patch
 def _needs_copy(self: BlockManager, blk) -> bool:
     "Whether a block about to be written must be copied first: another sequence holds it too."
     return blk.ref_count > 1
 
-# %% ../nbs/02_block_manager.ipynb #d5ed6bc1
+# %% ../nbs/02_block_manager.ipynb #526d0991
 @patch
 def can_allocate(self: BlockManager, seq, num_new_tokens: int, computed_blocks=(),
                  num_lookahead_slots: int = 0) -> bool:
@@ -249,7 +252,7 @@ def can_allocate(self: BlockManager, seq, num_new_tokens: int, computed_blocks=(
     free = self.num_free_blocks
     return free - needed >= self.watermark_blocks if not seq.block_table else needed <= free
 
-# %% ../nbs/02_block_manager.ipynb #29c330c1
+# %% ../nbs/02_block_manager.ipynb #408ca6be
 @patch
 def _share_hits(self: BlockManager, seq, computed_blocks, out: Allocation):
     "Start `seq`'s block table with the prefix-cache hits, by reference: their tokens count as computed."
@@ -259,6 +262,7 @@ def _share_hits(self: BlockManager, seq, computed_blocks, out: Allocation):
     out.computed_blocks = list(computed_blocks)
     seq.num_computed_tokens = seq.num_cached_tokens = len(computed_blocks)*self.block_size
 
+# %% ../nbs/02_block_manager.ipynb #4c711b5a
 @patch
 def _copy_on_write(self: BlockManager, seq, cow, out: Allocation):
     "Give `seq` its own copy of each shared block it is about to write (logical indices `cow`)."
@@ -271,7 +275,7 @@ def _copy_on_write(self: BlockManager, seq, cow, out: Allocation):
         if i*self.block_size < seq.num_computed_tokens:      # only blocks holding computed K/V need copying
             out.copies.append((old, new))
 
-# %% ../nbs/02_block_manager.ipynb #b3412b7b
+# %% ../nbs/02_block_manager.ipynb #20998de8
 @patch
 def allocate(self: BlockManager, seq, num_new_tokens: int, computed_blocks=(),
              num_lookahead_slots: int = 0) -> Allocation:
@@ -306,7 +310,7 @@ def slot_mapping(self: BlockManager, seq, start: int, end: int) -> list[int]:
         out.extend(range(base + max(start - i*bs, 0), base + min(end - i*bs, bs)))
     return out
 
-# %% ../nbs/02_block_manager.ipynb #775451ad
+# %% ../nbs/02_block_manager.ipynb #19250742
 def compute_slot_mapping(block_table, positions, block_size: int):
     "Slot mapping on whole numpy arrays or torch tensors: `block_table[positions // bs] * bs + positions % bs`."
     return block_table[positions // block_size]*block_size + positions % block_size
@@ -329,7 +333,7 @@ def deallocate(self: BlockManager, seq):
     seq.num_computed_tokens = seq.num_cached_tokens = 0
     del self.seqs[seq.seq_id]
 
-# %% ../nbs/02_block_manager.ipynb #4cbbc720
+# %% ../nbs/02_block_manager.ipynb #e881d0f9
 @patch
 def fork(self: BlockManager, parent, child):
     "Share all of `parent`'s blocks with `child` (one more reference each); later writes copy on write."
@@ -344,7 +348,7 @@ def fork(self: BlockManager, parent, child):
     child.num_computed_tokens, child.num_cached_tokens = parent.num_computed_tokens, parent.num_cached_tokens
     self.seqs[child.seq_id] = child
 
-# %% ../nbs/02_block_manager.ipynb #e8cca8e1
+# %% ../nbs/02_block_manager.ipynb #9308cf6a
 @patch
 def trim(self: BlockManager, seq, num_tokens: int):
     "Keep the blocks of positions `[0, num_tokens)` (speculative rollback); release the rest, tail first."
@@ -371,6 +375,7 @@ def _count_holders(self: BlockManager) -> list[int]:
             counts[b] += 1
     return counts
 
+# %% ../nbs/02_block_manager.ipynb #a9ef1046
 @patch
 def _check_block(self: BlockManager, b: Block, count: int, free_set: set):
     "Block `b` is held by exactly `count` tables, and is used, plain free or cached-free accordingly."
@@ -383,7 +388,7 @@ def _check_block(self: BlockManager, b: Block, count: int, free_set: set):
     if i in free_set:
         assert b.block_hash is None, f"plain-free block {i} still holds a hash"
 
-# %% ../nbs/02_block_manager.ipynb #297ee466
+# %% ../nbs/02_block_manager.ipynb #4a32ef2a
 @patch
 def check_invariants(self: BlockManager, seqs=None):
     "Raise `AssertionError` naming the first violated invariant; `seqs`, if given, must be the live sequences."
@@ -415,7 +420,7 @@ def _owners(seqs) -> dict:
             owners.setdefault(b, []).append([s.seq_id, i])
     return owners
 
-# %% ../nbs/02_block_manager.ipynb #f15623dd
+# %% ../nbs/02_block_manager.ipynb #18ea413e
 def _block_entry(bm, blk, own, by_id, decode) -> dict:
     "One block of the snapshot: state, reference count, hash, owners, and its first owner's tokens in it."
     toks, bs = None, bm.block_size
@@ -426,12 +431,14 @@ def _block_entry(bm, blk, own, by_id, decode) -> dict:
     return dict(id=blk.block_id, state=bm.block_state(blk.block_id), ref_count=blk.ref_count,
                 hash=_hash_str(blk.block_hash), owners=own, tokens=toks, text=text)
 
+# %% ../nbs/02_block_manager.ipynb #8753fd60
 def _seq_entry(s) -> dict:
     "One sequence of the snapshot: its block table and token counters."
     return dict(seq_id=s.seq_id, block_table=list(s.block_table), num_tokens=s.num_tokens,
                 num_prompt_tokens=s.num_prompt_tokens, num_computed_tokens=s.num_computed_tokens,
                 num_cached_tokens=s.num_cached_tokens)
 
+# %% ../nbs/02_block_manager.ipynb #3bbb9626
 def memory_snapshot(bm: BlockManager, seqs=None, decode=None) -> dict:
     "The block pool and the sequences' block tables as a JSON-serialisable dict (what `plot_memory_map` draws)."
     seqs = sorted(bm.seqs.values(), key=lambda s: s.seq_id) if seqs is None else list(seqs)
@@ -451,7 +458,7 @@ def seq_color(seq_id) -> str:
     "The colour of sequence `seq_id` in every drawing."
     return PALETTE[int(seq_id) % len(PALETTE)]
 
-# %% ../nbs/02_block_manager.ipynb #6f3d8d4d
+# %% ../nbs/02_block_manager.ipynb #c51a33c3
 def _rects(cells):
     "Closed polygons (with None separators) for unit cells at (x, y)."
     xs, ys = [], []
@@ -468,7 +475,7 @@ def _cell_trace(fig, cells, fill, name, legend=True, group=None):
                              line=dict(width=0.5, color="white"), legendgroup=group or name, showlegend=legend,
                              hoverinfo="skip"))
 
-# %% ../nbs/02_block_manager.ipynb #4dbc9d85
+# %% ../nbs/02_block_manager.ipynb #3c4eff52
 def _draw_tables(fig, sq, pos, show_links):
     "Each sequence's block table as a row of cells, with a line from each logical block to its physical block."
     import plotly.graph_objects as go
@@ -483,7 +490,7 @@ def _draw_tables(fig, sq, pos, show_links):
         fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", line=dict(width=1, color=c), opacity=.35,
                                  legendgroup=name, showlegend=False, hoverinfo="skip"))
 
-# %% ../nbs/02_block_manager.ipynb #5d174eb7
+# %% ../nbs/02_block_manager.ipynb #ca67ee4c
 def _block_fill(b) -> str:
     "A pool block's colour: its first owner's, else free or cached-free."
     if b["owners"]: return seq_color(b["owners"][0][0])
@@ -504,7 +511,7 @@ def _draw_pool(fig, blocks, pos):
         fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", line=dict(width=3, color="black"),
                                  name="shared (ref > 1)", hoverinfo="skip"))
 
-# %% ../nbs/02_block_manager.ipynb #235ae5e2
+# %% ../nbs/02_block_manager.ipynb #4860ce7c
 def _block_tip(b, bs) -> str:
     "Hover text of a pool block."
     own = ", ".join(f"seq {sid} block {i}" for sid, i in b["owners"]) or "-"
@@ -523,7 +530,7 @@ def _table_tip(s, i, b, bs) -> str:
     return (f"seq {s['seq_id']}, logical block {i} → physical block {b}<br>positions {lo}..{max(lo, hi) - 1}"
             f"<br>computed: {max(0, min(hi, s['num_computed_tokens']) - lo)}/{bs}")
 
-# %% ../nbs/02_block_manager.ipynb #6f59ce67
+# %% ../nbs/02_block_manager.ipynb #60cdf177
 def _draw_labels(fig, snap, pos):
     "One invisible marker per cell: its label (block id, ×refs when shared) and its hover text."
     import plotly.graph_objects as go
@@ -544,6 +551,7 @@ def _draw_labels(fig, snap, pos):
                              textfont=dict(size=9), marker=dict(size=14, opacity=0, symbol="square"),
                              showlegend=False))
 
+# %% ../nbs/02_block_manager.ipynb #accae13a
 def _memory_layout(fig, snap, y0, cols, width, title):
     "Row labels, the title (blocks by state) and the axes of the memory map."
     n, bs, sq = snap["num_blocks"], snap["block_size"], snap["seqs"]
@@ -560,7 +568,7 @@ def _memory_layout(fig, snap, y0, cols, width, title):
     fig.update_xaxes(visible=False, range=[-.1, width + .1])
     fig.update_yaxes(visible=False, range=[rows + .1, -.1], scaleanchor="x")
 
-# %% ../nbs/02_block_manager.ipynb #7890874d
+# %% ../nbs/02_block_manager.ipynb #f893d2a2
 def plot_memory_map(bm_or_snapshot, seqs=None, decode=None, cols: int | None = None,
                     show_links: bool | None = None, title: str | None = None):
     "Plotly figure of the pool (coloured by owner, shared outlined, free/cached shaded) and the block tables."
@@ -588,7 +596,7 @@ def request_max_tokens(req, max_model_len: int = 2048) -> int:
     p, o = req[0], req[1]
     return req[2] if len(req) > 2 else min(_pow2_ceil(o), max_model_len - p)
 
-# %% ../nbs/02_block_manager.ipynb #9ca4a89c
+# %% ../nbs/02_block_manager.ipynb #7d6dbf09
 def reserved_slots(workload, policy: str = "paged", block_size: int = 16,
                    max_model_len: int = 2048) -> list[int]:
     "KV slots each `(prompt_len, output_len[, max_tokens])` request ties up under `policy`."
@@ -599,7 +607,7 @@ def reserved_slots(workload, policy: str = "paged", block_size: int = 16,
         return [-(-(r[0] + r[1])//bs)*bs for r in workload]
     raise ValueError(f"policy must be 'max_model_len', 'max_tokens' or 'paged', got {policy!r}")
 
-# %% ../nbs/02_block_manager.ipynb #0f38104d
+# %% ../nbs/02_block_manager.ipynb #8c4a9b6c
 def kv_waste(workload, policy: str = "paged", block_size: int = 16, max_model_len: int = 2048) -> dict:
     "Reserved and used KV slots over a workload, the fraction never used, and the worst single request's waste."
     if any(r[0] + r[1] > max_model_len for r in workload):
@@ -633,7 +641,7 @@ def _first_fit(allocs, need, budget):
         prev = start + size
     return prev if budget - prev >= need else None
 
-# %% ../nbs/02_block_manager.ipynb #15d929c8
+# %% ../nbs/02_block_manager.ipynb #9bf2b31b
 class _AdmissionPool:
     "The memory of `simulate_admission`: `budget` units, taken anywhere (paged) or as one first-fit slab each."
     def __init__(self, budget: int, paged: bool):
@@ -658,7 +666,7 @@ class _AdmissionPool:
         if not self.paged:
             self.allocs.remove([start, need])
 
-# %% ../nbs/02_block_manager.ipynb #c8373790
+# %% ../nbs/02_block_manager.ipynb #fb323f12
 def _admission_units(workload, budget_tokens, policy, block_size, max_model_len):
     "Each request's reservation and the budget, counted in blocks for paged, in slots otherwise."
     res = reserved_slots(workload, policy, block_size, max_model_len)
@@ -669,6 +677,7 @@ def _admission_units(workload, budget_tokens, policy, block_size, max_model_len)
         raise ValueError(f"a request reserves {max(res)} slots, more than the whole budget of {budget}")
     return res, budget
 
+# %% ../nbs/02_block_manager.ipynb #04954d27
 def simulate_admission(workload, budget_tokens: int, policy: str = "paged", block_size: int = 16,
                        max_model_len: int = 2048) -> dict:
     "Replay a queue of requests FCFS through a KV budget: mean concurrency, steps taken, external fragmentation."
@@ -706,7 +715,7 @@ def memory_waste_table(workload, budget_tokens: int, block_sizes=(1, 2, 4, 8, 16
                          steps=s["steps"], external_fragmentation=s["external_fragmentation"]))
     return rows
 
-# %% ../nbs/02_block_manager.ipynb #02c80886
+# %% ../nbs/02_block_manager.ipynb #a352ec8e
 def plot_memory_waste(rows, title: str = "Contiguous reservation versus paged KV memory"):
     "Three panels from `memory_waste_table`: wasted slots, requests that fit, mean running requests, per policy."
     import plotly.graph_objects as go

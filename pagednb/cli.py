@@ -12,9 +12,9 @@ __all__ = ['DEMO_PROMPTS', 'DEMO_SYSTEM', 'parse_bytes', 'demo', 'parse_size', '
 import argparse, json, os, re, sys, time
 import torch
 from .model import load_model
-from .engine import LLM
 from .sampling import SamplingParams
-from .serve import serve, EngineDeadError
+from .engine import LLM, EngineDeadError
+from .serve import serve
 from . import bench
 
 # %% ../nbs/11_cli.ipynb #2908cc62

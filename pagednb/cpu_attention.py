@@ -171,7 +171,7 @@ cpu_kernel = CppLibrary("cpu_attention.cpp", "PAGEDNB_CPU_KERNEL", dict(
     what="the CPU attention kernel is", fallback="the torch backend uses SDPA instead")
 
 def cpu_kernel_supports(query, k_cache):
-    "Can the kernel take these? float32 CPU tensors, a contiguous cache, head_dim 16 to 128, G <= 8."
+    "Can the kernel take these? float32 CPU tensors, a contiguous cache, head_dim 16/32/64/128, G <= 8."
     lib = cpu_kernel()
     if lib is None or query.device.type != "cpu" or query.dtype != torch.float32: return False
     if k_cache.dtype != torch.float32 or query.dim() != 3 or k_cache.dim() != 4: return False
@@ -179,7 +179,7 @@ def cpu_kernel_supports(query, k_cache):
     return bool(lib.pagednb_supports(query.shape[1], k_cache.shape[2], query.shape[2]))
 
 # %% ../nbs/04a_cpu_attention.ipynb #5a1c0e25
-def _i32(t): return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
+def _int32(t): return t if t.dtype == torch.int32 and t.is_contiguous() else t.to(torch.int32).contiguous()
 
 def _check_call(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale):
     "The checks every backend of `04_paged_attention` runs on its arguments."
@@ -208,8 +208,8 @@ def paged_attention_cpu(query, k_cache, v_cache, block_tables, seq_lens, query_s
     _check_kernel_shapes(query, k_cache, out)
     _, H, D = query.shape
     _, bs, kvh, _ = k_cache.shape
-    bt, lens, qsl = _i32(block_tables), _i32(seq_lens), _i32(query_start_loc)
-    seqs = torch.arange(lens.shape[0], dtype=torch.int32) if seqs is None else _i32(seqs)
+    bt, lens, qsl = _int32(block_tables), _int32(seq_lens), _int32(query_start_loc)
+    seqs = torch.arange(lens.shape[0], dtype=torch.int32) if seqs is None else _int32(seqs)
     if seqs.numel() == 0: return out
     rc = lib.pagednb_paged_attention_f32(out.data_ptr(), query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                                          bt.data_ptr(), bt.stride(0), lens.data_ptr(), qsl.data_ptr(),
@@ -221,7 +221,7 @@ def paged_attention_cpu(query, k_cache, v_cache, block_tables, seq_lens, query_s
     return out
 
 # %% ../nbs/04a_cpu_attention.ipynb #7b3e9d24
-def _i64(t): return t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
+def _int64(t): return t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
 
 def store_kv_cpu(key, value, k_cache, v_cache, slot_mapping, checked=False):
     "`store_kv` on the kernel's library: each token's K and V rows to its slot (-1: none); `checked`: no checks."
@@ -232,8 +232,9 @@ def store_kv_cpu(key, value, k_cache, v_cache, slot_mapping, checked=False):
     ts = dict(key=key, value=value, k_cache=k_cache, v_cache=v_cache)
     bad = [n for n, t in ts.items() if t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous()]
     if bad: raise ValueError(f"store_kv_cpu takes contiguous float32 CPU tensors; {', '.join(bad)} are not")
+    slots = _int64(slot_mapping)                                     # kept alive while C reads its pointer
     lib.pagednb_store_kv_f32(k_cache.data_ptr(), v_cache.data_ptr(), key.data_ptr(), value.data_ptr(),
-                             _i64(slot_mapping).data_ptr(), key.shape[0], key.shape[1] * key.shape[2])
+                             slots.data_ptr(), key.shape[0], key.shape[1] * key.shape[2])
 
 # %% ../nbs/04a_cpu_attention.ipynb #9e2b4c71
 MADV_HUGEPAGE, HUGE_PAGE = 14, 2 << 20

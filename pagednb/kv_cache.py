@@ -11,34 +11,43 @@ __all__ = ['LLAMA2_13B', 'LLAMA3_8B', 'SMOLLM2_135M', 'kv_bytes_per_token', 'kv_
 # %% ../nbs/00_kv_cache.ipynb #9ba6b735
 import math, time
 import torch, torch.nn.functional as F
+from fastcore.basics import patch
 
 # %% ../nbs/00_kv_cache.ipynb #cd3347bf
 def _get(cfg, *names, default=None):
+    "The first of `names` that `cfg` (a dict or a config object) sets, else `default`."
     for n in names:
         v = cfg.get(n) if isinstance(cfg, dict) else getattr(cfg, n, None)
         if v is not None: return v
     return default
 
+# %% ../nbs/00_kv_cache.ipynb #be40761e
 def kv_bytes_per_token(cfg, dtype_bytes=2):
     "Bytes of K and V that one token occupies across all layers, for any Llama-style config (object or dict)."
     layers, heads = _get(cfg, "num_hidden_layers", "num_layers"), _get(cfg, "num_attention_heads")
-    if layers is None or heads is None: raise ValueError("config needs num_hidden_layers and num_attention_heads")
+    if layers is None or heads is None:
+        raise ValueError("config needs num_hidden_layers and num_attention_heads")
     kv_heads = _get(cfg, "num_key_value_heads", default=heads)
     head_dim = _get(cfg, "head_dim", default=None) or _get(cfg, "hidden_size")//heads
-    if isinstance(dtype_bytes, torch.dtype): dtype_bytes = torch.empty(0, dtype=dtype_bytes).element_size()
+    if isinstance(dtype_bytes, torch.dtype):
+        dtype_bytes = torch.empty(0, dtype=dtype_bytes).element_size()
     return 2*layers*kv_heads*head_dim*dtype_bytes
 
 # %% ../nbs/00_kv_cache.ipynb #3482f265
-LLAMA2_13B = dict(num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=40, hidden_size=5120, num_params=13.0e9)
-LLAMA3_8B = dict(num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, hidden_size=4096, num_params=8.0e9)
-SMOLLM2_135M = dict(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64, hidden_size=576, num_params=0.135e9)
+LLAMA2_13B = dict(num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=40, hidden_size=5120,
+                  num_params=13.0e9)
+LLAMA3_8B = dict(num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, hidden_size=4096,
+                 num_params=8.0e9)
+SMOLLM2_135M = dict(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                    hidden_size=576, num_params=0.135e9)
 
 # %% ../nbs/00_kv_cache.ipynb #449ac056
 def kv_capacity(cfg, gpu_bytes, dtype_bytes=2, utilization=1.0, max_model_len=None):
     "Tokens of KV that fit beside the weights, and requests of `max_model_len` if each reserved that much."
     weights = cfg["num_params"]*dtype_bytes
     free = gpu_bytes*utilization - weights
-    if free <= 0: raise ValueError(f"the weights ({weights/1e9:.1f} GB) do not fit in {gpu_bytes*utilization/1e9:.1f} GB")
+    if free <= 0:
+        raise ValueError(f"the weights ({weights/1e9:.1f} GB) do not fit in {gpu_bytes*utilization/1e9:.1f} GB")
     tokens = int(free//kv_bytes_per_token(cfg, dtype_bytes))
     return dict(weights_gb=weights/1e9, kv_gb=free/1e9, kv_tokens=tokens,
                 requests_at_max_len=tokens//max_model_len if max_model_len else None)
@@ -48,66 +57,85 @@ def expand_kv(k, n_rep):
     "Repeat K/V heads for grouped-query attention: `[T, KVH, D] -> [T, KVH*n_rep, D]`."
     return k if n_rep == 1 else k.repeat_interleave(n_rep, dim=1)
 
+# %% ../nbs/00_kv_cache.ipynb #c98ee0f7
 def causal_attention(q, k, v, scale=None):
-    "Attention of the last `len(q)` positions of one sequence over all `len(k)` of its positions; `[T, H, D]` in and out."
+    "Attention of the last `len(q)` positions of one sequence over all `len(k)` of its positions; `[T, H, D]`."
     nq, nk = q.shape[0], k.shape[0]
     k, v = expand_kv(k, q.shape[1]//k.shape[1]), expand_kv(v, q.shape[1]//v.shape[1])
     mask = torch.ones(nq, nk, dtype=torch.bool, device=q.device).tril(nk - nq) if nq > 1 else None
-    o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale)
+    q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return o.transpose(0, 1)
 
 # %% ../nbs/00_kv_cache.ipynb #25a0be76
 class ContiguousKVCache:
-    "Attention backend that reserves `max_model_len` K/V slots per request up front, the way pre-paging servers did."
-    def __init__(self, num_layers, num_kv_heads, head_dim, max_model_len, max_num_seqs=1, dtype=torch.float32, device="cpu"):
+    "Attention backend that reserves `max_model_len` K/V slots per request up front, as pre-paging servers did."
+    def __init__(self, num_layers, num_kv_heads, head_dim, max_model_len, max_num_seqs=1, dtype=torch.float32,
+                 device="cpu"):
         shape = (num_layers, max_num_seqs, max_model_len, num_kv_heads, head_dim)
-        self.k, self.v = torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_model_len, self.lens, self._plan = max_model_len, [0]*max_num_seqs, []
 
     @classmethod
     def for_model(cls, model, max_model_len, max_num_seqs=1):
         "A cache shaped for `model` (a pagednb `CausalLM`), on its device and dtype."
         c, w = model.config, model.lm_head.weight
-        return cls(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, max_model_len, max_num_seqs, w.dtype, w.device)
+        return cls(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, max_model_len, max_num_seqs,
+                   w.dtype, w.device)
 
-    def plan(self, rows, num_new):
-        "Declare the next forward: request `rows[i]` brings `num_new[i]` tokens, in that order."
-        for r, n in zip(rows, num_new):
-            if self.lens[r] + n > self.max_model_len:
-                raise ValueError(f"request {r} would reach {self.lens[r]+n} tokens, over max_model_len={self.max_model_len}")
-        self._plan = list(zip(rows, num_new)); return self
+# %% ../nbs/00_kv_cache.ipynb #be2847c7
+@patch
+def plan(self: ContiguousKVCache, rows, num_new):
+    "Declare the next forward: request `rows[i]` brings `num_new[i]` tokens, in that order."
+    for r, n in zip(rows, num_new):
+        if self.lens[r] + n > self.max_model_len:
+            raise ValueError(f"request {r} would reach {self.lens[r]+n} tokens, "
+                             f"over max_model_len={self.max_model_len}")
+    self._plan = list(zip(rows, num_new))
+    return self
 
-    def __call__(self, layer, q, k, v):
-        outs, s = [], 0
-        for r, n in self._plan:
-            a, b = self.lens[r], self.lens[r] + n
-            self.k[layer, r, a:b], self.v[layer, r, a:b] = k[s:s+n], v[s:s+n]
-            outs.append(causal_attention(q[s:s+n], self.k[layer, r, :b], self.v[layer, r, :b])); s += n
-        return torch.cat(outs)
+# %% ../nbs/00_kv_cache.ipynb #766d062c
+@patch
+def __call__(self: ContiguousKVCache, layer, q, k, v):
+    "Store this layer's new K/V in each request's slab, and attend over the slab up to the new tokens."
+    outs, s = [], 0
+    for r, n in self._plan:
+        a, b = self.lens[r], self.lens[r] + n
+        self.k[layer, r, a:b], self.v[layer, r, a:b] = k[s:s+n], v[s:s+n]
+        outs.append(causal_attention(q[s:s+n], self.k[layer, r, :b], self.v[layer, r, :b]))
+        s += n
+    return torch.cat(outs)
 
-    def commit(self):
-        "After the forward: the planned tokens are now cached."
-        for r, n in self._plan: self.lens[r] += n
-        self._plan = []
+# %% ../nbs/00_kv_cache.ipynb #603afe16
+@patch
+def commit(self: ContiguousKVCache):
+    "After the forward: the planned tokens are now cached."
+    for r, n in self._plan:
+        self.lens[r] += n
+    self._plan = []
 
-    def reset(self, row):
-        "The request in `row` finished: its slab can take the next request (it stays reserved)."
-        self.lens[row] = 0
+@patch
+def reset(self: ContiguousKVCache, row):
+    "The request in `row` finished: its slab can take the next request (it stays reserved)."
+    self.lens[row] = 0
 
-    @property
-    def stats(self):
-        "Reserved versus used slots, and the fraction reserved but never used."
-        reserved, used = len(self.lens)*self.max_model_len, sum(self.lens)
-        return dict(reserved_slots=reserved, used_slots=used, waste=1 - used/reserved,
-                    reserved_bytes=2*self.k.numel()*self.k.element_size())
+@patch(as_prop=True)
+def stats(self: ContiguousKVCache):
+    "Reserved versus used slots, and the fraction reserved but never used."
+    reserved, used = len(self.lens)*self.max_model_len, sum(self.lens)
+    return dict(reserved_slots=reserved, used_slots=used, waste=1 - used/reserved,
+                reserved_bytes=2*self.k.numel()*self.k.element_size())
 
 # %% ../nbs/00_kv_cache.ipynb #ac60baa4
 def contiguous_waste(workload, max_model_len):
-    "Fraction of reserved KV slots never used when each `(prompt_len, output_len)` request reserves `max_model_len`."
+    "Fraction of KV slots never used when each `(prompt_len, output_len)` request reserves `max_model_len`."
     used = sum(p + o for p, o in workload)
-    if any(p + o > max_model_len for p, o in workload): raise ValueError(f"a request is longer than max_model_len={max_model_len}")
+    if any(p + o > max_model_len for p, o in workload):
+        raise ValueError(f"a request is longer than max_model_len={max_model_len}")
     return 1 - used/(len(workload)*max_model_len)
 
+# %% ../nbs/00_kv_cache.ipynb #b07ce8c1
 def sample_workload(n=200, prompt_mean=200, output_mean=300, max_model_len=2048, seed=0):
     "A reproducible mix of request lengths: log-normal around the given means, clipped to fit `max_model_len`."
     g = torch.Generator().manual_seed(seed)
@@ -120,10 +148,13 @@ def sample_workload(n=200, prompt_mean=200, output_mean=300, max_model_len=2048,
 def plot_reservation(workload, max_model_len, n=24):
     "Bar chart of used versus reserved-but-empty KV slots per request under contiguous reservation."
     import plotly.graph_objects as go
-    wl = workload[:n]; ids = [f"req {i}" for i in range(len(wl))]
+    wl = workload[:n]
+    ids = [f"req {i}" for i in range(len(wl))]
     fig = go.Figure([go.Bar(x=ids, y=[p for p, o in wl], name="prompt"),
                      go.Bar(x=ids, y=[o for p, o in wl], name="output"),
-                     go.Bar(x=ids, y=[max_model_len - p - o for p, o in wl], name="reserved, never used", marker_color="lightgrey")])
+                     go.Bar(x=ids, y=[max_model_len - p - o for p, o in wl], name="reserved, never used",
+                            marker_color="lightgrey")])
+    waste = contiguous_waste(workload, max_model_len)
     fig.update_layout(barmode="stack", height=380, yaxis_title="KV slots (tokens)",
-                      title=f"Contiguous reservation to max_model_len={max_model_len}: waste {contiguous_waste(workload, max_model_len):.0%}")
+                      title=f"Contiguous reservation to max_model_len={max_model_len}: waste {waste:.0%}")
     return fig

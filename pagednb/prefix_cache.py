@@ -9,13 +9,13 @@ __all__ = ['hash_block', 'compute_block_hashes', 'PrefixCacheStats', 'PrefixCach
            'replay_requests']
 
 # %% ../nbs/03_prefix_cache.ipynb #aeed8b9b
-import hashlib, struct, sys
+import hashlib, random, struct, sys
 from array import array
 from collections import deque
 from dataclasses import dataclass
 from fastcore.basics import patch
-from .block_manager import (BlockManager, Sequence, Block, NoFreeBlocksError, InvalidBlockError, UnknownSequenceError,
-                                   BlockManagerError, memory_snapshot, plot_memory_map)
+from .block_manager import (BlockManager, Sequence, Block, NoFreeBlocksError, InvalidBlockError,
+                                   UnknownSequenceError, BlockManagerError, memory_snapshot, plot_memory_map)
 
 # %% ../nbs/03_prefix_cache.ipynb #1ee1382a
 _ROOT = b"\0"*32          # the parent of a sequence's first block
@@ -25,12 +25,15 @@ def hash_block(parent_hash: bytes | None, token_ids, extra_keys=None) -> bytes:
     "SHA-256 of (parent block's hash, this block's token ids, extra keys): the same 32 bytes in every process."
     h = hashlib.sha256(parent_hash if parent_hash is not None else _ROOT)
     toks = array("q", token_ids)
-    if sys.byteorder == "big": toks.byteswap()
-    h.update(struct.pack("<Q", len(toks))); h.update(toks.tobytes())
+    if sys.byteorder == "big":
+        toks.byteswap()
+    h.update(struct.pack("<Q", len(toks)))
+    h.update(toks.tobytes())
     if extra_keys:
         keys = tuple(extra_keys)
         if not all(isinstance(k, _KEY_TYPES) for k in keys):
-            raise TypeError(f"extra_keys must be str, int, float, bytes or tuples of them (stable reprs), got {keys!r}")
+            raise TypeError(f"extra_keys must be str, int, float, bytes or tuples of them (stable reprs), "
+                            f"got {keys!r}")
         h.update(repr(keys).encode())
     return h.digest()
 
@@ -39,7 +42,8 @@ def compute_block_hashes(seq, block_size: int, num_blocks: int) -> list:
     "Extend `seq.block_hashes` to its first `num_blocks` full blocks (the hash chain) and return it."
     hs = seq.block_hashes
     if num_blocks*block_size > seq.num_tokens:
-        raise ValueError(f"sequence {seq.seq_id} has {seq.num_tokens} tokens: only {seq.num_tokens//block_size} full blocks of {block_size}")
+        raise ValueError(f"sequence {seq.seq_id} has {seq.num_tokens} tokens: "
+                         f"only {seq.num_tokens//block_size} full blocks of {block_size}")
     toks = seq.token_ids
     for i in range(len(hs), num_blocks):
         extra = (seq.cache_salt,) if i == 0 and seq.cache_salt is not None else None
@@ -56,8 +60,9 @@ class PrefixCacheStats:
     evictions: int
     num_cached_blocks: int
 
+# %% ../nbs/03_prefix_cache.ipynb #620c6124
 class PrefixCachingBlockManager(BlockManager):
-    "A `BlockManager` whose full, computed blocks are found by the hash of their prefix and shared by reference count."
+    "A `BlockManager` whose full, computed blocks are found by their prefix's hash and shared by reference count."
     enable_prefix_caching = True
 
     def __init__(self, num_blocks: int, block_size: int = 16, watermark: float = 0.01):
@@ -66,36 +71,48 @@ class PrefixCachingBlockManager(BlockManager):
         self._num_hashed: dict[int, int] = {}      # seq_id -> leading blocks that cache_blocks has already handled
         self.num_queries = self.num_hits = self.num_evictions = 0
 
-    def _on_free(self, block: Block):
-        "A freed block that holds a hash stays reusable, at the most-recently-used end of `cached_free`."
-        if block.block_hash is not None: self.cached_free[block.block_id] = None
-        else: self.free_block_ids.appendleft(block.block_id)
-
-    def _revive(self, bid: int):
-        if bid in self.cached_free: del self.cached_free[bid]
-        else: super()._revive(bid)
-
-    def _evict(self) -> int:
-        "Take the least recently used cached-free block and forget its hash."
-        if not self.cached_free: raise NoFreeBlocksError(1, 0, self.num_blocks)
-        bid, _ = self.cached_free.popitem(last=False)
-        b = self.blocks[bid]
-        del self.hash_to_block[b.block_hash]
-        b.block_hash = None
-        self.num_evictions += 1
-        return bid
-
     @property
     def prefix_cache_stats(self) -> PrefixCacheStats:
+        "The counters so far, with the hit rate in tokens."
         q, h = self.num_queries, self.num_hits
         return PrefixCacheStats(q, h, h/q if q else 0.0, self.num_evictions, len(self.hash_to_block))
+
+# %% ../nbs/03_prefix_cache.ipynb #2826a375
+@patch
+def _on_free(self: PrefixCachingBlockManager, block: Block):
+    "A freed block that holds a hash stays reusable, at the most-recently-used end of `cached_free`."
+    if block.block_hash is not None:
+        self.cached_free[block.block_id] = None
+    else:
+        self.free_block_ids.appendleft(block.block_id)
+
+# %% ../nbs/03_prefix_cache.ipynb #89260aaf
+@patch
+def _revive(self: PrefixCachingBlockManager, bid: int):
+    "Take free block `bid` back for a hit: from `cached_free` in O(1), else from the plain free queue."
+    if bid in self.cached_free:
+        del self.cached_free[bid]
+    else:
+        BlockManager._revive(self, bid)
+
+# %% ../nbs/03_prefix_cache.ipynb #bdeac685
+@patch
+def _evict(self: PrefixCachingBlockManager) -> int:
+    "Take the least recently used cached-free block and forget its hash."
+    if not self.cached_free: raise NoFreeBlocksError(1, 0, self.num_blocks)
+    bid, _ = self.cached_free.popitem(last=False)
+    b = self.blocks[bid]
+    del self.hash_to_block[b.block_hash]
+    b.block_hash = None
+    self.num_evictions += 1
+    return bid
 
 # %% ../nbs/03_prefix_cache.ipynb #80245278
 @patch
 def get_computed_blocks(self: PrefixCachingBlockManager, seq) -> list[int]:
-    "Blocks holding the longest cached prefix of `seq` in whole blocks, leaving at least one token to compute; a pure lookup."
+    "Blocks of the longest cached prefix of `seq`, in whole blocks, leaving a token to compute; a pure lookup."
     n = (seq.num_tokens - 1)//self.block_size
-    if n <= 0 or getattr(seq, "skip_prefix_cache", False): return []     # e.g. prompt logprobs: every position computed
+    if n <= 0 or getattr(seq, "skip_prefix_cache", False): return []     # e.g. prompt logprobs: compute every position
     out, table = [], self.hash_to_block
     for h in compute_block_hashes(seq, self.block_size, n)[:n]:
         b = table.get(h)
@@ -105,16 +122,17 @@ def get_computed_blocks(self: PrefixCachingBlockManager, seq) -> list[int]:
 
 # %% ../nbs/03_prefix_cache.ipynb #6e1f8cc8
 @patch
-def allocate(self: PrefixCachingBlockManager, seq, num_new_tokens: int, computed_blocks=(), num_lookahead_slots: int = 0):
-    "`BlockManager.allocate`, checking that prefix-cache hits are still valid and counting hit statistics on admission."
+def allocate(self: PrefixCachingBlockManager, seq, num_new_tokens: int, computed_blocks=(),
+             num_lookahead_slots: int = 0):
+    "`BlockManager.allocate`, checking that prefix-cache hits are still valid, and counting hits on admission."
     admission = seq.seq_id not in self.seqs
     if computed_blocks:
         self.check_block_table(computed_blocks, allow_free=True)
         hs = seq.block_hashes
         for i, b in enumerate(computed_blocks):
             if i >= len(hs) or self.hash_to_block.get(hs[i]) != b:
-                raise InvalidBlockError(f"computed_blocks[{i}] = {b} is not the cached block {i} of sequence {seq.seq_id} "
-                                        f"(evicted since the lookup?): call get_computed_blocks again")
+                raise InvalidBlockError(f"computed_blocks[{i}] = {b} is not the cached block {i} of sequence "
+                                        f"{seq.seq_id} (evicted since the lookup?): call get_computed_blocks again")
     out = BlockManager.allocate(self, seq, num_new_tokens, computed_blocks, num_lookahead_slots)
     if admission:
         self.num_queries += seq.num_tokens
@@ -122,6 +140,7 @@ def allocate(self: PrefixCachingBlockManager, seq, num_new_tokens: int, computed
         self._num_hashed[seq.seq_id] = len(computed_blocks)   # hits are registered already
     return out
 
+# %% ../nbs/03_prefix_cache.ipynb #6cdec4aa
 @patch
 def cache_blocks(self: PrefixCachingBlockManager, seq, num_computed_tokens: int):
     "Register `seq`'s blocks that are full and computed after this step; keep an existing entry for the same hash."
@@ -130,9 +149,9 @@ def cache_blocks(self: PrefixCachingBlockManager, seq, num_computed_tokens: int)
     n = min(num_computed_tokens, seq.num_tokens, len(seq.block_table)*bs)//bs
     start = self._num_hashed.get(seq.seq_id, 0)
     if n <= start: return
-    hs, table, blocks, registry = compute_block_hashes(seq, bs, n), seq.block_table, self.blocks, self.hash_to_block
+    hs, registry = compute_block_hashes(seq, bs, n), self.hash_to_block
     for i in range(start, n):
-        blk = blocks[table[i]]
+        blk = self.blocks[seq.block_table[i]]
         if blk.block_hash is None and hs[i] not in registry:
             registry[hs[i]] = blk.block_id
             blk.block_hash = hs[i]
@@ -142,7 +161,7 @@ def cache_blocks(self: PrefixCachingBlockManager, seq, num_computed_tokens: int)
 # %% ../nbs/03_prefix_cache.ipynb #9af9f981
 @patch
 def deallocate(self: PrefixCachingBlockManager, seq):
-    "`BlockManager.deallocate`; registered blocks whose count reaches 0 become cached-free, tail first (evicted first)."
+    "`BlockManager.deallocate`; registered blocks left unheld become cached-free, tail first (evicted first)."
     BlockManager.deallocate(self, seq)
     self._num_hashed.pop(seq.seq_id, None)
 
@@ -152,88 +171,130 @@ def fork(self: PrefixCachingBlockManager, parent, child):
     BlockManager.fork(self, parent, child)
     self._num_hashed[child.seq_id] = self._num_hashed.get(parent.seq_id, 0)
 
+# %% ../nbs/03_prefix_cache.ipynb #339beebe
 @patch
 def _needs_copy(self: PrefixCachingBlockManager, blk) -> bool:
-    "Also copy a registered block before writing: its hash promises its K/V to later lookups (a trim can leave one partly filled)."
+    "Also copy a registered block before writing: its hash promises its K/V to later lookups."
     return blk.ref_count > 1 or blk.block_hash is not None
 
 @patch
 def trim(self: PrefixCachingBlockManager, seq, num_tokens: int):
-    "`BlockManager.trim`; drop hashes past `num_tokens`, and un-register a block left partly filled that no one else holds."
+    "`BlockManager.trim`; drop hashes past `num_tokens`, un-register a block left partly filled that no one shares."
     BlockManager.trim(self, seq, num_tokens)
     bs, full = self.block_size, num_tokens//self.block_size
     del seq.block_hashes[full:]
-    if seq.seq_id in self._num_hashed: self._num_hashed[seq.seq_id] = min(self._num_hashed[seq.seq_id], full)
+    if seq.seq_id in self._num_hashed:
+        self._num_hashed[seq.seq_id] = min(self._num_hashed[seq.seq_id], full)
     if num_tokens % bs and len(seq.block_table) == full + 1:
         blk = self.blocks[seq.block_table[-1]]
         if blk.block_hash is not None and blk.ref_count == 1:
             del self.hash_to_block[blk.block_hash]
             blk.block_hash = None
 
+# %% ../nbs/03_prefix_cache.ipynb #d2e8d74f
 @patch
 def reset_prefix_cache(self: PrefixCachingBlockManager) -> int:
     "Evict every cached-free block (their hashes are forgotten); returns how many."
     n = len(self.cached_free)
-    while self.cached_free: self.free_block_ids.append(self._evict()); self.num_evictions -= 1
+    while self.cached_free:
+        self.free_block_ids.append(self._evict())
+        self.num_evictions -= 1
     return n
 
+# %% ../nbs/03_prefix_cache.ipynb #6edf6855
 @patch
 def check_invariants(self: PrefixCachingBlockManager, seqs=None):
-    "`BlockManager.check_invariants`, plus: one registered block per hash and vice versa, every cached-free block registered."
+    "`BlockManager.check_invariants`, plus: one registered block per hash and back, every cached-free block hashed."
     BlockManager.check_invariants(self, seqs)
     hashed = [b for b in self.blocks if b.block_hash is not None]
-    assert len(hashed) == len(self.hash_to_block), f"{len(hashed)} blocks hold a hash but {len(self.hash_to_block)} are registered"
-    for h, bid in self.hash_to_block.items():
-        assert self.blocks[bid].block_hash == h, f"hash {h.hex()[:12]} is registered to block {bid}, which holds another hash"
-    for bid in self.cached_free: assert self.blocks[bid].block_hash is not None, f"cached-free block {bid} holds no hash"
-    assert set(self._num_hashed) <= set(self.seqs), f"bookkeeping kept for freed sequences {set(self._num_hashed) - set(self.seqs)}"
+    registry = self.hash_to_block
+    assert len(hashed) == len(registry), f"{len(hashed)} blocks hold a hash but {len(registry)} are registered"
+    for h, bid in registry.items():
+        assert self.blocks[bid].block_hash == h, \
+            f"hash {h.hex()[:12]} is registered to block {bid}, which holds another hash"
+    for bid in self.cached_free:
+        assert self.blocks[bid].block_hash is not None, f"cached-free block {bid} holds no hash"
+    kept = set(self._num_hashed) - set(self.seqs)
+    assert not kept, f"bookkeeping kept for freed sequences {kept}"
     return True
 
 # %% ../nbs/03_prefix_cache.ipynb #1a60c786
-def make_block_manager(num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True, watermark: float = 0.01) -> BlockManager:
+def make_block_manager(num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
+                       watermark: float = 0.01) -> BlockManager:
     "A `PrefixCachingBlockManager` or a plain `BlockManager`, as vLLM's `enable_prefix_caching` chooses."
     return (PrefixCachingBlockManager if enable_prefix_caching else BlockManager)(num_blocks, block_size, watermark)
 
 # %% ../nbs/03_prefix_cache.ipynb #3ff579d3
-def replay_requests(bm: BlockManager, prompts, output_len: int = 16, max_num_seqs: int = 16, max_num_batched_tokens: int = 2048,
-                    snapshot_at: int | None = None, seed: int = 0) -> dict:
-    "Run `prompts` (lists of token ids) through `bm` with a toy continuous-batching loop; usage per step, stats, prefill work."
-    import random
+def _replay_running(bm, running, waiting, budget):
+    "Running sequences first (decode, or the rest of a prompt), preempting the newest when blocks run out."
+    scheduled, preemptions = [], 0
+    for s in list(running):
+        if s not in running: continue                         # preempted by an earlier one this step
+        n = min(s.num_tokens - s.num_computed_tokens, budget)
+        if n == 0: continue
+        while not bm.can_allocate(s, n):
+            victim = running.pop()
+            bm.deallocate(victim)
+            waiting.appendleft(victim)
+            preemptions += 1
+            if victim is s: break
+        if s not in running: continue
+        bm.allocate(s, n)
+        scheduled.append((s, n))
+        budget -= n
+    return scheduled, budget, preemptions
+
+# %% ../nbs/03_prefix_cache.ipynb #7261f9ad
+def _replay_admit(bm, running, waiting, scheduled, budget, max_num_seqs):
+    "Admit waiting sequences with their prefix-cache hits, while seats, blocks and budget last."
+    while waiting and len(running) < max_num_seqs and budget > 0:
+        s = waiting[0]
+        hit = bm.get_computed_blocks(s)
+        n = min(s.num_tokens - len(hit)*bm.block_size, budget)
+        if not bm.can_allocate(s, n, hit): break
+        bm.allocate(s, n, hit)
+        waiting.popleft()
+        running.append(s)
+        scheduled.append((s, n))
+        budget -= n
+
+# %% ../nbs/03_prefix_cache.ipynb #1796abbb
+def _replay_compute(bm, scheduled, running, output_len, rng):
+    "The stand-in forward: advance, register full blocks, sample or finish; returns (prefill, computed) tokens."
+    prefill = computed = 0
+    for s, n in scheduled:
+        prefill += max(0, min(s.num_computed_tokens + n, s.num_prompt_tokens) - s.num_computed_tokens)
+        computed += n
+        s.num_computed_tokens += n
+        bm.cache_blocks(s, s.num_computed_tokens)
+        if s.num_computed_tokens < s.num_tokens: continue
+        if s.num_tokens - s.num_prompt_tokens < output_len:
+            s.token_ids.append(rng.randrange(1000, 50000))
+        else:
+            running.remove(s)
+            bm.deallocate(s)
+    return prefill, computed
+
+# %% ../nbs/03_prefix_cache.ipynb #0c778bf6
+def replay_requests(bm: BlockManager, prompts, output_len: int = 16, max_num_seqs: int = 16,
+                    max_num_batched_tokens: int = 2048, snapshot_at: int | None = None, seed: int = 0) -> dict:
+    "Run `prompts` (lists of token ids) through `bm` in a toy continuous-batching loop: usage, stats, prefill work."
     rng = random.Random(seed)
     waiting, running = deque(Sequence(i, p) for i, p in enumerate(prompts)), []
     steps = prefill_tokens = computed_tokens = preemptions = 0
     used, snapshot = [], None
     while waiting or running:
-        budget, scheduled = max_num_batched_tokens, []
-        for s in list(running):                                   # running sequences first (decode, or the rest of a prompt)
-            if s not in running: continue                         # preempted by an earlier one this step
-            n = min(s.num_tokens - s.num_computed_tokens, budget)
-            if n == 0: continue
-            while not bm.can_allocate(s, n):
-                victim = running.pop()
-                bm.deallocate(victim); waiting.appendleft(victim); preemptions += 1
-                if victim is s: break
-            if s not in running: continue
-            bm.allocate(s, n); scheduled.append((s, n)); budget -= n
-        while waiting and len(running) < max_num_seqs and budget > 0:   # admit new ones
-            s = waiting[0]
-            hit = bm.get_computed_blocks(s)
-            n = min(s.num_tokens - len(hit)*bm.block_size, budget)
-            if not bm.can_allocate(s, n, hit): break
-            bm.allocate(s, n, hit); waiting.popleft(); running.append(s); scheduled.append((s, n)); budget -= n
+        scheduled, budget, k = _replay_running(bm, running, waiting, max_num_batched_tokens)
+        _replay_admit(bm, running, waiting, scheduled, budget, max_num_seqs)
         if not scheduled: raise RuntimeError("no sequence fits in the block pool: raise num_blocks")
         used.append(bm.num_used_blocks)
-        for s, n in scheduled:                                    # "forward", sample, register, finish
-            prefill_tokens += max(0, min(s.num_computed_tokens + n, s.num_prompt_tokens) - s.num_computed_tokens)
-            computed_tokens += n
-            s.num_computed_tokens += n
-            bm.cache_blocks(s, s.num_computed_tokens)
-            if s.num_computed_tokens == s.num_tokens:
-                if s.num_tokens - s.num_prompt_tokens < output_len: s.token_ids.append(rng.randrange(1000, 50000))
-                else: running.remove(s); bm.deallocate(s)
-        if snapshot_at == steps: snapshot = memory_snapshot(bm)
+        p, c = _replay_compute(bm, scheduled, running, output_len, rng)
+        prefill_tokens, computed_tokens, preemptions = prefill_tokens + p, computed_tokens + c, preemptions + k
+        if snapshot_at == steps:
+            snapshot = memory_snapshot(bm)
         steps += 1
     out = dict(steps=steps, peak_used_blocks=max(used), used_per_step=used, prefill_tokens=prefill_tokens,
                computed_tokens=computed_tokens, preemptions=preemptions, snapshot=snapshot)
-    if bm.enable_prefix_caching: out["stats"] = bm.prefix_cache_stats
+    if bm.enable_prefix_caching:
+        out["stats"] = bm.prefix_cache_stats
     return out

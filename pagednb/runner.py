@@ -6,19 +6,18 @@ Docs: https://pagednb.github.io/pagednb/runner.html.md"""
 
 # %% auto #0
 __all__ = ['GiB', 'StepInputs', 'attention_path', 'cpu_kernel_order', 'block_table_tensor', 'token_slots', 'decode_inputs',
-           'PagedAttentionBackend', 'ModelRunner', 'can_pack', 'PackedLinear', 'pack_linears', 'model_bytes',
-           'GPUMemory', 'gpu_kv_budget', 'profile_gpu_memory', 'kv_budget', 'num_kv_blocks']
+           'PagedAttentionBackend', 'ModelRunner', 'model_bytes', 'GPUMemory', 'gpu_kv_budget', 'profile_gpu_memory',
+           'kv_budget', 'num_kv_blocks']
 
 # %% ../nbs/06_runner.ipynb #ed8c50dc
 import itertools, math, os
 from dataclasses import dataclass
 import torch
-from torch import nn
 from .model import NoCacheAttention
 from .block_manager import kv_cache_shape, compute_slot_mapping
 from .attention import store_kv, paged_attention, default_backend, TorchAttentionPlan, check_slots
 from .kv_cache import kv_bytes_per_token
-from .cpu_ops import fuse_for_cpu
+from .cpu_ops import fuse_for_cpu, can_pack, pack_linears
 from .cpu_attention import zeros_huge_pages, cpu_kernel_supports, store_kv_cpu, paged_attention_cpu
 
 # %% ../nbs/06_runner.ipynb #cb1ac084
@@ -110,7 +109,7 @@ class ModelRunner:
         self.model, self.block_size, self.device = model, block_size, w.device
         if pack_weights is None: pack_weights = can_pack(w) and os.environ.get("PAGEDNB_PACK_WEIGHTS", "1") != "0"
         self.fused = fuse_for_cpu(model) if pack_weights else 0          # CPU: merged q/k/v, gate/up and C++ elementwise ops (04b)
-        self.packed = pack_linears(model) if pack_weights else 0          # CPU: oneDNN-packed weights (below)
+        self.packed = pack_linears(model) if pack_weights else 0          # CPU: oneDNN-packed weights (04b)
         shape = (2, c.num_hidden_layers) + kv_cache_shape(num_blocks, block_size, c.num_key_value_heads, c.head_dim)
         self.kv_cache = zeros_huge_pages(shape, w.dtype) if w.device.type == "cpu" else torch.zeros(shape, dtype=w.dtype, device=w.device)
         self.attn = PagedAttentionBackend(self.kv_cache, c.head_dim**-0.5, attention_backend)
@@ -145,36 +144,6 @@ class ModelRunner:
     def release(self):
         "Drop the KV cache and the model, so that their memory goes back at once."
         self.kv_cache = self.attn.kv = self.attn.inputs = self.last_inputs = self.model = None
-
-# %% ../nbs/06_runner.ipynb #2b92cbc6
-def can_pack(w):
-    "Whether oneDNN can pack weights like `w`: a CPU tensor of float32 (or bfloat16 where the CPU has it)."
-    ok = w.device.type == "cpu" and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    return ok and (w.dtype == torch.float32 or (w.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()))
-
-class PackedLinear(nn.Module):
-    "`nn.Linear` with its weight reordered once into oneDNN's blocked layout (CPU only); the dense weight is kept only if shared."
-    def __init__(self, lin: nn.Linear, keep_dense=False, batch_hint=64):
-        super().__init__()
-        self.in_features, self.out_features, self.bias = lin.in_features, lin.out_features, lin.bias
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach(), batch_hint)
-        self._dense = lin.weight if keep_dense else None
-    @property
-    def weight(self): return self._dense if self._dense is not None else self.packed.to_dense()
-    def forward(self, x):
-        y = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, self.in_features).contiguous(), self.packed, self.bias, "none", [], "")
-        return y.view(*x.shape[:-1], self.out_features)
-
-def pack_linears(model):
-    "Replace every `nn.Linear` of `model` by a `PackedLinear`, in place; returns how many were packed."
-    shared = {id(p) for m in model.modules() if not isinstance(m, nn.Linear) for p in m.parameters(recurse=False)}
-    n = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and can_pack(child.weight):
-                setattr(parent, name, PackedLinear(child, keep_dense=id(child.weight) in shared)); n += 1
-    return n
-
 
 # %% ../nbs/06_runner.ipynb #6c4d26dd
 GiB = 1 << 30

@@ -24,6 +24,7 @@ class SequenceStatus(str, Enum):
 
 _arrivals = itertools.count()
 
+# %% ../nbs/05_scheduler.ipynb #469bbf4b
 class Sequence(_BlockSequence):
     "A sequence the scheduler moves between the waiting and running queues."
     def __init__(self, seq_id, token_ids, cache_salt=None, params=None, arrival_time=None):
@@ -48,7 +49,7 @@ class ScheduledSeq:
     kind: str = "prefill"       # "decode": one generated token
     num_lookahead: int = 0      # slots reserved for speculative tokens
 
-# %% ../nbs/05_scheduler.ipynb #0d27139c
+# %% ../nbs/05_scheduler.ipynb #752bfe24
 @dataclass
 class StepPlan:
     "What one engine step runs, and what the scheduler did to memory to run it."
@@ -101,7 +102,7 @@ class Scheduler:
         ids = lambda q: [s.seq_id for s in q]
         return f"Scheduler(waiting={ids(self.waiting)}, running={ids(self.running)})"
 
-# %% ../nbs/05_scheduler.ipynb #73d71720
+# %% ../nbs/05_scheduler.ipynb #6eca0a14
 @patch
 def add(self: Scheduler, seq: Sequence):
     "Queue a new sequence at the back of `waiting`."
@@ -124,7 +125,7 @@ def _preempt(self: Scheduler, seq: Sequence, plan: StepPlan):
     self.waiting.appendleft(seq)
     plan.preempted.append(seq.seq_id)
 
-# %% ../nbs/05_scheduler.ipynb #40d24a7d
+# %% ../nbs/05_scheduler.ipynb #b6efc4b5
 @patch
 def _take(self: Scheduler, seq, n, plan, hits=(), k=0):
     "Allocate pages for `n` new tokens of `seq` (plus `k` lookahead slots) and add it to the plan."
@@ -149,7 +150,7 @@ def _make_room(self: Scheduler, seq, n, k, plan, done) -> bool:
         if victim is seq: return False
     return True
 
-# %% ../nbs/05_scheduler.ipynb #eb33e6a9
+# %% ../nbs/05_scheduler.ipynb #90e22f76
 @patch
 def _schedule_running(self: Scheduler, plan: StepPlan, budget: int) -> int:
     "Pass 1: the running sequences, decodes first, preempting when pages run out; returns the budget left."
@@ -165,7 +166,7 @@ def _schedule_running(self: Scheduler, plan: StepPlan, budget: int) -> int:
             budget -= n + k
     return budget
 
-# %% ../nbs/05_scheduler.ipynb #20429640
+# %% ../nbs/05_scheduler.ipynb #f92e635a
 @patch
 def _schedule_waiting(self: Scheduler, plan: StepPlan, budget: int) -> int:
     "Pass 2: admit waiting sequences in order while budget, seats and pages last, none after a preemption."
@@ -184,7 +185,7 @@ def _schedule_waiting(self: Scheduler, plan: StepPlan, budget: int) -> int:
         budget -= n
     return budget
 
-# %% ../nbs/05_scheduler.ipynb #dd30f8fe
+# %% ../nbs/05_scheduler.ipynb #36448819
 @patch
 def schedule(self: Scheduler) -> StepPlan:
     "Decide the next step: which sequences run, with how many new tokens each."
@@ -208,7 +209,7 @@ def update(self: Scheduler, plan: StepPlan, computed=None):
             ready.append(s.seq)
     return ready
 
-# %% ../nbs/05_scheduler.ipynb #bbab8e6c
+# %% ../nbs/05_scheduler.ipynb #cb2e9400
 @patch
 def finish(self: Scheduler, seq: Sequence):
     "Take a finished (or aborted) sequence out of the queues and free its pages."
@@ -219,7 +220,7 @@ def finish(self: Scheduler, seq: Sequence):
         self.waiting.remove(seq)
     seq.status = SequenceStatus.FINISHED
 
-# %% ../nbs/05_scheduler.ipynb #6f0cb5e1
+# %% ../nbs/05_scheduler.ipynb #83f0884c
 @patch
 def fork(self: Scheduler, parent: Sequence, child: Sequence):
     "Run `child` beside `parent` from now on, sharing its pages by reference (copy-on-write): `n > 1`."

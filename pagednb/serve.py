@@ -10,12 +10,12 @@ __all__ = ['logger', 'MAX_N', 'MAX_PROMPTS', 'MAX_LOGPROBS', 'MAX_BODY_BYTES', '
            'AsyncEngine', 'StreamOptions', 'CompletionRequest', 'TextPart', 'ChatMessage', 'ResponseFormat',
            'ChatCompletionRequest', 'OpenAIServer', 'ClientDisconnected', 'collect', 'TokenizeRequest',
            'DetokenizeRequest', 'default_allowed_hosts', 'build_app', 'header_timeout_protocol', 'uvicorn_config',
-           'EngineDeadError', 'serve', 'BackgroundServer', 'benchmark_server']
+           'serve', 'BackgroundServer', 'benchmark_server']
 
 # %% ../nbs/10_serve.ipynb #e4198d39
 from fastcore.basics import patch
-import asyncio, bisect, contextlib, copy, dataclasses, hashlib, hmac, inspect, ipaddress, json, logging, math, os, queue
-import threading, time, uuid
+import asyncio, bisect, contextlib, copy, dataclasses, hashlib, hmac, inspect, ipaddress, json, logging, math
+import os, queue, threading, time, uuid
 from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from fastapi import FastAPI, HTTPException, Request
@@ -23,7 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from .sampling import SamplingParams
-from .engine import LLMEngine, stream_deltas
+from .engine import LLMEngine, EngineDeadError, stream_deltas
 from .model import EMBEDDED_NAME
 from . import __version__
 
@@ -36,20 +36,24 @@ MAX_LOGPROBS = 20            # most alternatives per token (vLLM's --max-logprob
 MAX_BODY_BYTES = 1 << 20     # 1 MiB: larger bodies get 413
 HEADER_TIMEOUT = 10.0        # seconds a connection may take to send a request's headers
 
-def _printable(s): return s if not isinstance(s, str) else s.encode("utf-8", "backslashreplace").decode("utf-8")
+def _printable(s):
+    "`s` with any lone surrogate escaped, so that it encodes as JSON."
+    return s if not isinstance(s, str) else s.encode("utf-8", "backslashreplace").decode("utf-8")
 
-_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error", 500: "internal_server_error",
-          503: "service_unavailable"}
+_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+          500: "internal_server_error", 503: "service_unavailable"}
 
 class APIError(Exception):
     "An error rendered as OpenAI's error JSON with an HTTP status."
     def __init__(self, message, status=400, type=None, param=None, code=None):
-        message, param = (_printable(v) for v in (message, param))         # a lone surrogate would not encode as JSON
+        message, param = (_printable(v) for v in (message, param))
         super().__init__(message)
         self.message, self.status, self.param, self.code = message, status, param, code
         self.type = type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    def body(self): return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-    def response(self, headers=None): return JSONResponse(self.body(), status_code=self.status, headers=headers)
+    def body(self):
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+    def response(self, headers=None):
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 # %% ../nbs/10_serve.ipynb #2b0e84a2
 class Histogram:
@@ -72,11 +76,12 @@ class Histogram:
         return float("inf")
 
 # %% ../nbs/10_serve.ipynb #451898cd
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
-                80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
-               960.0, 1920.0, 7680.0)         # vLLM's request-latency family: e2e and queue time
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0, 1920.0, 7680.0)         # vLLM's request-latency family: e2e and queue time
 
 def token_buckets(max_model_len):
     "vLLM's buckets of per-request token counts: 1, 2, 5, 10, 20, 50, ... up to `max_model_len`."
@@ -114,17 +119,19 @@ class Exposition:
         for b, c in zip(h.buckets + (float("inf"),), h.counts):
             run += c
             self.lines.append(f"{name}_bucket{_labels({**self.base, 'le': _num(float(b))})} {run}")
-        self.lines += [f"{name}_sum{_labels(self.base)} {_num(float(h.sum))}", f"{name}_count{_labels(self.base)} {h.count}"]
+        base = _labels(self.base)
+        self.lines += [f"{name}_sum{base} {_num(float(h.sum))}", f"{name}_count{base} {h.count}"]
     def text(self): return "\n".join(self.lines) + "\n"
 
 # %% ../nbs/10_serve.ipynb #ef24b039
 def engine_error(out) -> APIError:
-    "The `APIError` of a `RequestOutput` the engine failed (`out.error`): 500 unless the engine says it was the client's fault."
+    "The `APIError` of a `RequestOutput` the engine failed (`out.error`): 500 unless it was the client's fault."
     status = getattr(out, "error_status", None) or 500
-    return APIError(f"request {out.request_id} failed: {out.error}", status, param=getattr(out, "error_param", None))
+    param = getattr(out, "error_param", None)
+    return APIError(f"request {out.request_id} failed: {out.error}", status, param=param)
 
 class RequestStream:
-    "The outputs of the engine requests behind one API call, as an async iterator; `abort()` stops what is unfinished."
+    "The outputs of the engine requests behind one API call, as an async iterator; `abort()` stops the rest."
     def __init__(self, aengine, request_ids):
         self.aengine, self.q, self.pending, self.last = aengine, asyncio.Queue(), set(request_ids), {}
     def __aiter__(self): return self
@@ -155,13 +162,14 @@ class AsyncEngine:
     "Drives one `LLMEngine` from a background thread; asyncio code submits requests and awaits their outputs."
     def __init__(self, engine, on_dead=None):
         self.engine, self.inbox, self.thread, self.on_dead = engine, queue.SimpleQueue(), None, on_dead
-        self.error, self.stopped, self._lock = None, False, threading.Lock()     # the lock orders submit against a stop
+        self.error, self.stopped, self._lock = None, False, threading.Lock()   # the lock orders submit vs. stop
         self._dest, self._timing = {}, {}           # engine thread only: request_id -> (loop, queue) / _Timing
         L = engine.sched_config.max_model_len
         self.ttft, self.itl = Histogram(TTFT_BUCKETS), Histogram(ITL_BUCKETS)
         self.e2e, self.queue_time = Histogram(E2E_BUCKETS), Histogram(E2E_BUCKETS)
         self.prompt_len, self.output_len = Histogram(token_buckets(L)), Histogram(token_buckets(L))
-        self.finished, self.prompt_tokens = {}, 0   # finish reason -> outputs; prompt tokens of started requests (cached too)
+        self.finished = {}                          # finish reason -> outputs
+        self.prompt_tokens = 0                      # prompt tokens of started requests, prefix-cached ones too
 
     def start(self):
         "Start the engine thread (idempotent)."
@@ -186,7 +194,7 @@ def _send(loop, q, item):
 def _loop(self: AsyncEngine):
     e = self.engine
     while True:
-        cmds = [] if e.has_unfinished_requests() else [self.inbox.get()]       # idle: sleep until there is work
+        cmds = [] if e.has_unfinished_requests() else [self.inbox.get()]     # idle: sleep until there is work
         while True:
             try: cmds.append(self.inbox.get_nowait())
             except queue.Empty: break
@@ -196,7 +204,7 @@ def _loop(self: AsyncEngine):
         if not e.has_unfinished_requests(): continue
         t = time.time()
         try: outs = e.step()
-        except Exception as ex:                      # the engine is broken, not one request: stop, say so, let serve exit
+        except Exception as ex:                # the engine is broken, not one request: stop, say so, exit
             logger.exception("engine step failed; the engine is dead and the server stops")
             return self._stop(ex)
         self._mark_scheduled(t)
@@ -205,16 +213,17 @@ def _loop(self: AsyncEngine):
 # %% ../nbs/10_serve.ipynb #67e21915
 @patch
 def _stop(self: AsyncEngine, ex):
-    "Stop serving: fail every request in flight or queued; `ex` is the step's exception (None: a normal shutdown)."
-    err = (APIError("the server is shutting down", 503) if ex is None else
-           APIError(f"the engine failed ({type(ex).__name__}: {ex}) and has stopped; the server exits to be restarted", 500))
-    with self._lock:                                 # after this, submit() refuses: nothing can be queued and forgotten
+    "Stop serving: fail every request in flight or queued; `ex` is the step's exception (None: a shutdown)."
+    dead = f"the engine failed ({type(ex).__name__}: {ex}) and has stopped; the server exits to be restarted"
+    err = APIError("the server is shutting down", 503) if ex is None else APIError(dead, 500)
+    with self._lock:                          # after this, submit() refuses: nothing is queued and forgotten
         self.error, self.stopped = ex, True
     while True:
         try: cmd = self.inbox.get_nowait()
         except queue.Empty: break
         if cmd and cmd[0] == "add": _send(cmd[5], cmd[6], err)
-        if cmd and cmd[0] == "call": cmd[2].call_soon_threadsafe(lambda f=cmd[3]: f.done() or f.set_exception(err))
+        if cmd and cmd[0] == "call":
+            cmd[2].call_soon_threadsafe(lambda f=cmd[3]: f.done() or f.set_exception(err))
     for rid, (loop, q) in list(self._dest.items()): _send(loop, q, err)
     self._dest.clear()
     self._timing.clear()
@@ -227,7 +236,8 @@ def _cmd_add(self: AsyncEngine, rid, prompt, params, arrival, loop, q):
     except ValueError as ex: return _send(loop, q, APIError(str(ex)))
     except Exception as ex:
         logger.exception("the engine refused request %s", rid)
-        return _send(loop, q, APIError(f"the engine could not take request {rid}: {type(ex).__name__}: {ex}", 500))
+        why = f"the engine could not take request {rid}: {type(ex).__name__}: {ex}"
+        return _send(loop, q, APIError(why, 500))
     self._dest[rid] = (loop, q)
     self._timing[rid] = _Timing(arrival)
 
@@ -250,14 +260,14 @@ def _cmd_call(self: AsyncEngine, fn, loop, fut):
 # %% ../nbs/10_serve.ipynb #02d48b4c
 @patch
 def _mark_scheduled(self: AsyncEngine, t):
-    "Note the step (started at `t`) that first scheduled each waiting request: queue time, and its prompt tokens."
+    "Note the step (started at `t`) that first scheduled each waiting request: queue time, prompt tokens."
     for rid, tm in self._timing.items():
         if tm.scheduled is not None: continue
         req = self.engine.requests.get(rid)
         if req is None or all(s.status == "waiting" for s in req.seqs): continue
         tm.scheduled = t
         self.queue_time.observe(max(0.0, t - tm.arrival))
-        self.prompt_tokens += len(req.prompt_token_ids)      # vLLM counts prefix-cache hits as prompt tokens too
+        self.prompt_tokens += len(req.prompt_token_ids)   # vLLM counts prefix-cache hits as prompt tokens too
 
 @patch
 def _observe(self: AsyncEngine, out, now):
@@ -279,7 +289,7 @@ def _deliver(self: AsyncEngine, outs):
     now = time.time()
     for out in outs:
         try: self._observe(out, now)
-        except Exception: logger.exception("metrics of %s", out.request_id)    # a metrics bug must not lose an output
+        except Exception: logger.exception("metrics of %s", out.request_id)   # must not lose an output
         rid = out.request_id
         dest = self._dest.pop(rid, None) if out.finished else self._dest.get(rid)
         if out.finished: self._timing.pop(rid, None)
@@ -315,14 +325,15 @@ async def call(self: AsyncEngine, fn):
 
 # %% ../nbs/10_serve.ipynb #ba6dd987
 def _surrogate_path(data):
-    "The dotted path of the first string (or key) in `data` that is not valid Unicode (a lone surrogate), else None."
+    "The dotted path of the first string (or key) in `data` that holds a lone surrogate, else None."
     stack = [((), data)]
     while stack:
         path, v = stack.pop()
         if isinstance(v, str):
             try: v.encode("utf-8")
             except UnicodeEncodeError: return ".".join(map(str, path)) or "body"
-        elif isinstance(v, dict): stack += [(path + (k,), k) for k in v] + [(path + (k,), x) for k, x in v.items()]
+        elif isinstance(v, dict):
+            stack += [(path + (k,), k) for k in v] + [(path + (k,), x) for k, x in v.items()]
         elif isinstance(v, list): stack += [(path + (i,), x) for i, x in enumerate(v)]
     return None
 
@@ -331,12 +342,13 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 class _Body(_Strict):
-    "A request body: rejects text that is not Unicode, and logs the unknown fields it ignores (once per request)."
+    "A request body: rejects text that is not Unicode, and logs the unknown fields it ignores (once)."
     @model_validator(mode="wrap")
     @classmethod
     def _check(cls, data, handler):
         if isinstance(data, dict) and (bad := _surrogate_path(data)) is not None:
-            raise APIError(f"{bad} is not valid Unicode text (it holds a lone surrogate such as \\ud800); send UTF-8 text",
+            raise APIError(f"{bad} is not valid Unicode text (it holds a lone surrogate such as \\ud800); "
+                           "send UTF-8 text",
                            param=bad if bad != "body" else None)
         r = handler(data)
         if isinstance(data, dict) and (extra := sorted(map(str, set(data) - set(cls.model_fields)))):
@@ -411,17 +423,18 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    add_special_tokens: bool = False              # vLLM's default for chat: the template has the special tokens
+    add_special_tokens: bool = False              # vLLM's default for chat: the template has them
     chat_template_kwargs: dict | None = None
     echo: bool = False
 
 # %% ../nbs/10_serve.ipynb #35cd2d30
 class OpenAIServer:
     "What the HTTP handlers share: the engine loop, the served names, the limits and a tokenizer."
-    def __init__(self, engine, served_model_names=None, api_key=None, max_n=MAX_N, max_body_bytes=MAX_BODY_BYTES,
-                 max_logprobs=MAX_LOGPROBS, allowed_hosts=None, enable_docs=False):
+    def __init__(self, engine, served_model_names=None, api_key=None, max_n=MAX_N,
+                 max_body_bytes=MAX_BODY_BYTES, max_logprobs=MAX_LOGPROBS, allowed_hosts=None, enable_docs=False):
         self.engine, self.aengine = engine, AsyncEngine(engine)
-        names = [served_model_names] if isinstance(served_model_names, str) else list(served_model_names or [EMBEDDED_NAME])
+        names = served_model_names or [EMBEDDED_NAME]
+        names = [names] if isinstance(names, str) else list(names)
         keys = [api_key] if isinstance(api_key, str) else [k for k in (api_key or []) if k]
         self.names, self.api_keys, self.max_n, self.max_body_bytes = names, keys, max_n, max_body_bytes
         self.max_logprobs, self.allowed_hosts, self.enable_docs = max_logprobs, allowed_hosts, enable_docs
@@ -431,12 +444,13 @@ class OpenAIServer:
 
     def check_model(self, model):
         if model is not None and model not in self.names:
-            raise APIError(f"The model `{model}` does not exist; this server serves {self.names}", 404, param="model",
-                           code="model_not_found")
+            raise APIError(f"The model `{model}` does not exist; this server serves {self.names}", 404,
+                           param="model", code="model_not_found")
     def need_tokenizer(self, what, param=None):
         "The tokenizer; a 400 naming `what` needs it when the model came without one."
         if self.tokenizer is None:
-            raise APIError(f"this model has no tokenizer, so {what} cannot be used: send prompts as token ids", param=param)
+            raise APIError(f"this model has no tokenizer, so {what} cannot be used: send prompts as token ids",
+                           param=param)
         return self.tokenizer
 
 # %% ../nbs/10_serve.ipynb #3893cdc4
@@ -450,24 +464,25 @@ def _sp_error(e, rename=None):
     return APIError(str(e).replace("SamplingParams.", "", 1), param=(rename or {}).get(param, param))
 
 _SP_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
-_NEUTRAL = dict(presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0, logit_bias=None, allowed_token_ids=None,
-                bad_words=None, include_stop_str_in_output=False, spaces_between_special_tokens=True, prompt_logprobs=None,
-                truncate_prompt_tokens=None)
+_NEUTRAL = dict(presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0, logit_bias=None,
+                allowed_token_ids=None, bad_words=None, include_stop_str_in_output=False,
+                spaces_between_special_tokens=True, prompt_logprobs=None, truncate_prompt_tokens=None)
 
 # %% ../nbs/10_serve.ipynb #c5cbb286
 @patch
 def sampling_params(self: OpenAIServer, r, max_tokens, logprobs=None, rename=None) -> SamplingParams:
     "`SamplingParams` for a request, with every unsupported or out-of-range field turned into an `APIError`."
     if not 1 <= r.n <= self.max_n:
-        raise APIError(f"n={r.n} is out of range: this server returns between 1 and {self.max_n} choices per request", param="n")
+        raise APIError(f"n={r.n} is out of range: this server returns between 1 and {self.max_n} choices per "
+                       "request", param="n")
     if r.stream_options is not None and not r.stream:
         raise APIError("stream_options is only allowed with stream=true", param="stream_options")
     if r.stop or r.bad_words: self.need_tokenizer("stop strings and bad_words", "stop" if r.stop else "bad_words")
-    kw = dict(n=r.n, max_tokens=max_tokens, seed=r.seed, stop=r.stop, stop_token_ids=r.stop_token_ids, min_tokens=r.min_tokens,
-              ignore_eos=r.ignore_eos, logprobs=logprobs, skip_special_tokens=r.skip_special_tokens, 
-              **{k: getattr(r, k) for k in _NEUTRAL},
+    kw = dict(n=r.n, max_tokens=max_tokens, seed=r.seed, stop=r.stop, stop_token_ids=r.stop_token_ids,
+              min_tokens=r.min_tokens, ignore_eos=r.ignore_eos, logprobs=logprobs,
+              skip_special_tokens=r.skip_special_tokens, **{k: getattr(r, k) for k in _NEUTRAL},
               **{k: getattr(r, k) for k in ("temperature", "top_p", "top_k", "min_p") if getattr(r, k) is not None})
-    for k in [k for k in kw if k not in _SP_FIELDS]:            # a field SamplingParams lacks: only its neutral value
+    for k in [k for k in kw if k not in _SP_FIELDS]:          # a field SamplingParams lacks: only its neutral value
         if kw.pop(k) not in (None, _NEUTRAL.get(k)): raise APIError(f"{k} is not supported by this engine", param=k)
     try:
         sp = SamplingParams(**{k: v for k, v in kw.items() if v is not None})
@@ -481,16 +496,16 @@ def fit_max_tokens(self: OpenAIServer, requested, n_prompt, explicit, prompt_par
     "The `max_tokens` to run with: errors if the prompt, or an explicit `max_tokens`, does not fit the context."
     L = self.max_model_len
     if n_prompt >= L:
-        raise APIError(f"This model's maximum context length is {L} tokens. However, your prompt has {n_prompt} tokens; "
-                       f"it may have at most {L-1} so that one token can be generated. Please shorten the prompt.",
-                       param=prompt_param, code="context_length_exceeded")
+        raise APIError(f"This model's maximum context length is {L} tokens. However, your prompt has {n_prompt} "
+                       f"tokens; it may have at most {L-1} so that one token can be generated. Please shorten the "
+                       "prompt.", param=prompt_param, code="context_length_exceeded")
     room = L - n_prompt
     if requested is None: return room
     if requested < 1: raise APIError(f"{param}={requested} is invalid: it must be at least 1", param=param)
     if requested > room and explicit:
-        raise APIError(f"This model's maximum context length is {L} tokens. However, you requested {n_prompt + requested} tokens "
-                       f"({n_prompt} in the prompt, {requested} in the completion). Please reduce the prompt or {param}.",
-                       param=param, code="context_length_exceeded")
+        raise APIError(f"This model's maximum context length is {L} tokens. However, you requested "
+                       f"{n_prompt + requested} tokens ({n_prompt} in the prompt, {requested} in the completion). "
+                       f"Please reduce the prompt or {param}.", param=param, code="context_length_exceeded")
     return min(requested, room)
 
 @patch
@@ -507,30 +522,39 @@ def truncate(self: OpenAIServer, ids, k):
 def _new_id(prefix): return f"{prefix}-{uuid.uuid4().hex}"
 
 @patch
+def _check_completion_fields(self: OpenAIServer, r: CompletionRequest):
+    "Refuse the completion fields pagednb does not serve, and `logprobs` out of range."
+    if r.echo: raise APIError("echo is not supported by pagednb", param="echo")
+    if r.suffix is not None: raise APIError("suffix is not supported by pagednb", param="suffix")
+    if r.best_of is not None and r.best_of != r.n:
+        raise APIError("best_of is not supported by pagednb (only best_of == n)", param="best_of")
+    if r.logprobs is not None and not 0 <= r.logprobs <= self.max_logprobs:
+        raise APIError(f"logprobs={r.logprobs} is out of range: ask for 0 to {self.max_logprobs} alternatives per "
+                       "token", param="logprobs")
+    if r.logprobs is not None: self.need_tokenizer("logprobs", "logprobs")
+
+@patch
 def _engine_prompt(self: OpenAIServer, text, ids, sp, param):
-    try: self.engine.validate({"prompt_token_ids": ids}, sp)             # reads config only: safe off the engine thread
-    except ValueError as e: raise (_sp_error(e) if "SamplingParams." in str(e) else APIError(str(e), param=param)) from None
+    try: self.engine.validate({"prompt_token_ids": ids}, sp)        # reads config only: safe off the engine thread
+    except ValueError as e:
+        raise (_sp_error(e) if "SamplingParams." in str(e) else APIError(str(e), param=param)) from None
     return {"prompt": text, "prompt_token_ids": ids}
 
 @patch
 def prepare_completion(self: OpenAIServer, r: CompletionRequest):
-    "Validate a completion request, all of it; returns `(request_id, [(engine_request_id, prompt, SamplingParams)])`."
+    "Validate a completion request, all of it; returns `(request_id, [(engine_request_id, prompt, params)])`."
     self.check_model(r.model)
-    if r.echo: raise APIError("echo is not supported by pagednb", param="echo")
-    if r.suffix is not None: raise APIError("suffix is not supported by pagednb", param="suffix")
-    if r.best_of is not None and r.best_of != r.n: raise APIError("best_of is not supported by pagednb (only best_of == n)", param="best_of")
+    self._check_completion_fields(r)
     p = r.prompt
     prompts = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
     if not prompts: raise APIError("prompt is empty: give a string, a list of strings, or token ids", param="prompt")
-    if len(prompts) > MAX_PROMPTS: raise APIError(f"{len(prompts)} prompts in one request; this server takes at most {MAX_PROMPTS}", param="prompt")
-    if r.logprobs is not None and not 0 <= r.logprobs <= self.max_logprobs:
-        raise APIError(f"logprobs={r.logprobs} is out of range: ask for 0 to {self.max_logprobs} alternatives per token",
-                       param="logprobs")
-    if r.logprobs is not None: self.need_tokenizer("logprobs", "logprobs")
+    if len(prompts) > MAX_PROMPTS:
+        raise APIError(f"{len(prompts)} prompts in one request; this server takes at most {MAX_PROMPTS}", param="prompt")
     rid, items = _new_id("cmpl"), []
     for k, q in enumerate(prompts):
         if isinstance(q, str):
-            text, ids = q, self.need_tokenizer("text prompts", "prompt")(q, add_special_tokens=r.add_special_tokens)["input_ids"]
+            tok = self.need_tokenizer("text prompts", "prompt")
+            text, ids = q, tok(q, add_special_tokens=r.add_special_tokens)["input_ids"]
         else: text, ids = None, list(q)
         ids = self.truncate(ids, r.truncate_prompt_tokens)
         mt = self.fit_max_tokens(r.max_tokens, len(ids), "max_tokens" in r.model_fields_set)
@@ -557,33 +581,37 @@ def render_chat(self: OpenAIServer, r):
     extra = {k: v for k, v in (r.chat_template_kwargs or {}).items() if k not in _TEMPLATE_OWN}
     try: return tok.apply_chat_template(msgs, add_generation_prompt=r.add_generation_prompt, tokenize=False,
                                         continue_final_message=r.continue_final_message, **extra)
-    except Exception as e: raise APIError(f"the chat template cannot render these messages: {e}", param="messages") from None
+    except Exception as e:
+        raise APIError(f"the chat template cannot render these messages: {e}", param="messages") from None
 
 @patch
 def prepare_chat(self: OpenAIServer, r: ChatCompletionRequest):
-    "Validate a chat request and apply the chat template; returns `(request_id, [(engine_request_id, prompt, SamplingParams)])`."
+    "Validate a chat request and apply its template; returns `(request_id, [(engine_request_id, prompt, params)])`."
     self.check_model(r.model)
     if r.tools: raise APIError("tools are not supported by pagednb", param="tools")
     if r.echo: raise APIError("echo is not supported by pagednb", param="echo")
-    if r.top_logprobs is not None and not r.logprobs: raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
-    if r.top_logprobs is not None and not 0 <= r.top_logprobs <= self.max_logprobs:
-        raise APIError(f"top_logprobs={r.top_logprobs} is out of range: ask for 0 to {self.max_logprobs}", param="top_logprobs")
+    k = r.top_logprobs
+    if k is not None and not r.logprobs: raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
+    if k is not None and not 0 <= k <= self.max_logprobs:
+        raise APIError(f"top_logprobs={k} is out of range: ask for 0 to {self.max_logprobs}",
+                       param="top_logprobs")
     text = self.render_chat(r)
-    ids = self.truncate(self.tokenizer(text, add_special_tokens=r.add_special_tokens)["input_ids"], r.truncate_prompt_tokens)
+    ids = self.tokenizer(text, add_special_tokens=r.add_special_tokens)["input_ids"]
+    ids = self.truncate(ids, r.truncate_prompt_tokens)
     explicit = r.max_completion_tokens if r.max_completion_tokens is not None else r.max_tokens
     name = "max_completion_tokens" if r.max_completion_tokens is not None else "max_tokens"
     mt = self.fit_max_tokens(explicit, len(ids), explicit is not None, "messages", name)
-    sp = self.sampling_params(r, mt, (r.top_logprobs or 0) if r.logprobs else None, rename={"logprobs": "top_logprobs"})
+    sp = self.sampling_params(r, mt, (k or 0) if r.logprobs else None, rename={"logprobs": "top_logprobs"})
     rid = _new_id("chatcmpl")
     return rid, [(f"{rid}-0", self._engine_prompt(text, ids, sp, "messages"), sp)]
 
 # %% ../nbs/10_serve.ipynb #c8538a4d
 def _usage(outs):
-    "OpenAI's `usage` of the `RequestOutput`s of one API call, with vLLM's count of prefix-cached prompt tokens."
+    "OpenAI's `usage` of the `RequestOutput`s of one API call, with vLLM's count of prefix-cached tokens."
     p = sum(len(o.prompt_token_ids) for o in outs)
     c = sum(len(x.token_ids) for o in outs for x in o.outputs)
     cached = {"cached_tokens": sum(o.num_cached_tokens for o in outs)}
-    return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c, "prompt_tokens_details": cached}
+    return dict(prompt_tokens=p, completion_tokens=c, total_tokens=p + c, prompt_tokens_details=cached)
 
 def _lp(v):
     "A logprob as a JSON number: a `Logprob`'s `.logprob` or a float, -inf as vLLM's -9999.0."
@@ -623,7 +651,7 @@ def prompt_logprobs(self: OpenAIServer, out):
     "vLLM's `prompt_logprobs`: per prompt token (None for the first) `{token_id: {logprob, rank, decoded_token}}`."
     plp = getattr(out, "prompt_logprobs", None)
     if plp is None: return None
-    def one(t, v): return {"logprob": _lp(v), "rank": getattr(v, "rank", None), "decoded_token": self._tok_str(t, v)}
+    def one(t, v): return dict(logprob=_lp(v), rank=getattr(v, "rank", None), decoded_token=self._tok_str(t, v))
     return [None if d is None else {str(t): one(t, v) for t, v in d.items()} for d in plp]
 
 # %% ../nbs/10_serve.ipynb #97a59d5e
@@ -662,7 +690,7 @@ def _usage_opts(r):
 
 # %% ../nbs/10_serve.ipynb #5e1b7a26
 async def _sse_events(stream, items, head, choice, r, first=()):
-    "The SSE events of one streamed API call: `first` choices, then `choice(delta, sent)` per delta, usage, `[DONE]`."
+    "The SSE events of one streamed call: `first` choices, a `choice(delta, sent)` per delta, usage, `[DONE]`."
     usage, every = _usage_opts(r)
     sent, hold = {}, max(map(len, items[0][2].stop), default=1) - 1
     n_prompt = sum(len(p["prompt_token_ids"]) for _, p, _ in items)
@@ -688,18 +716,20 @@ async def completion_response(self: OpenAIServer, r: CompletionRequest, request=
     "Serve one `/v1/completions` request: a JSON body, or an SSE stream."
     rid, items = self.prepare_completion(r)
     stream, head = self.aengine.submit(items), self._head(rid, "text_completion", r)
-    base = {eid: k*r.n for k, (eid, *_) in enumerate(items)}        # choice index of each prompt's first output
+    base = {eid: k*r.n for k, (eid, *_) in enumerate(items)}      # choice index of each prompt's first output
     if r.stream:
         def choice(d, sent):
-            lp = self.completion_logprobs(d.token_ids, d.logprobs, sent[(d.request_id, d.index)][0] - len(d.text))
-            return {"index": base[d.request_id] + d.index, "text": d.text, "logprobs": lp, "finish_reason": d.finish_reason}
+            offset = sent[(d.request_id, d.index)][0] - len(d.text)
+            lp = self.completion_logprobs(d.token_ids, d.logprobs, offset)
+            return dict(index=base[d.request_id] + d.index, text=d.text, logprobs=lp, finish_reason=d.finish_reason)
         return _sse_response(_sse_events(stream, items, head, choice, r))
     last = await collect(stream, request)
     def whole(eid, o, out):
         lp = self.completion_logprobs(o.token_ids, o.logprobs)
         c = {"index": base[eid] + o.index, "text": o.text, "logprobs": lp, "finish_reason": o.finish_reason}
         return {**c, "prompt_logprobs": self.prompt_logprobs(out)} if r.prompt_logprobs is not None else c
-    choices = sorted((whole(eid, o, out) for eid, out in last.items() for o in out.outputs), key=lambda c: c["index"])
+    choices = [whole(eid, o, out) for eid, out in last.items() for o in out.outputs]
+    choices.sort(key=lambda c: c["index"])
     return {**head, "choices": choices, "usage": _usage([last[e] for e, *_ in items])}
 
 # %% ../nbs/10_serve.ipynb #5e1b7a29
@@ -713,13 +743,14 @@ async def chat_response(self: OpenAIServer, r: ChatCompletionRequest, request=No
             delta = {"content": d.text} if d.text or not d.finish_reason else {}
             lp = self.chat_logprobs(d.token_ids, d.logprobs, k)
             return {"index": d.index, "delta": delta, "finish_reason": d.finish_reason, "logprobs": lp}
-        roles = [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-                 for i in range(r.n)]                 # one role chunk per choice first, as OpenAI and vLLM send them
+        role = {"role": "assistant", "content": ""}    # one role chunk per choice first, as OpenAI and vLLM send
+        roles = [{"index": i, "delta": role, "logprobs": None, "finish_reason": None} for i in range(r.n)]
         head = self._head(rid, "chat.completion.chunk", r)
         return _sse_response(_sse_events(stream, items, head, choice, r, roles))
     out = (await collect(stream, request))[items[0][0]]
-    choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text}, "finish_reason": o.finish_reason,
-                "logprobs": self.chat_logprobs(o.token_ids, o.logprobs, k)} for o in out.outputs]
+    choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text},
+                "finish_reason": o.finish_reason, "logprobs": self.chat_logprobs(o.token_ids, o.logprobs, k)}
+               for o in out.outputs]
     extra = {"prompt_logprobs": self.prompt_logprobs(out)} if r.prompt_logprobs is not None else {}
     return {**self._head(rid, "chat.completion", r), "choices": choices, "usage": _usage([out]), **extra}
 
@@ -744,7 +775,8 @@ class DetokenizeRequest(_Body):
 def tokenize(self: OpenAIServer, r: TokenizeRequest):
     "vLLM's `/tokenize` response for `r`."
     self.check_model(r.model)
-    if (r.prompt is None) == (r.messages is None): raise APIError("give either prompt or messages", param="prompt")
+    if (r.prompt is None) == (r.messages is None):
+        raise APIError("give either prompt or messages", param="prompt")
     tok = self.need_tokenizer("/tokenize", "prompt")
     chat = r.messages is not None
     text = self.render_chat(r) if chat else r.prompt
@@ -774,55 +806,71 @@ def _snapshot(self: OpenAIServer, e):
     return dict(m=e.get_metrics(), used=bm.num_used_blocks, cached=bm.num_cached_free_blocks,
                 free=bm.num_free_blocks - bm.num_cached_free_blocks, ok=ok, running=reqs(e.scheduler.running),
                 waiting=reqs(e.scheduler.waiting), prompt_tokens=a.prompt_tokens, finished=dict(a.finished),
-                **{k: getattr(a, k).copy() for k in ("ttft", "itl", "e2e", "queue_time", "prompt_len", "output_len")})
+                **{k: getattr(a, k).copy() for k in _HISTOGRAMS})
 
-_KNOWN = {"kv_cache_usage", "num_running", "num_waiting", "prefix_cache_queries", "prefix_cache_hits", "num_preemptions",
-          "prompt_tokens", "generation_tokens", "num_blocks", "num_free_blocks", "prefix_cache_hit_rate"}
-_REASONS = ("stop", "length", "abort", "error", "repetition")          # vLLM's FinishReason, each with a sample from the start
+_HISTOGRAMS = ("ttft", "itl", "e2e", "queue_time", "prompt_len", "output_len")
+_KNOWN = {"kv_cache_usage", "num_running", "num_waiting", "prefix_cache_queries", "prefix_cache_hits",
+          "num_preemptions", "prompt_tokens", "generation_tokens", "num_blocks", "num_free_blocks",
+          "prefix_cache_hit_rate"}
+_REASONS = ("stop", "length", "abort", "error", "repetition")     # vLLM's FinishReason, each sampled from the start
 
 # %% ../nbs/10_serve.ipynb #bf53266f
+_VLLM_HISTOGRAMS = (("request_prompt_tokens", "prompt_len", "Number of prefill tokens processed."),
+                    ("request_generation_tokens", "output_len", "Number of generation tokens processed."),
+                    ("time_to_first_token_seconds", "ttft", "Histogram of time to first token in seconds."),
+                    ("inter_token_latency_seconds", "itl", "Histogram of inter-token latency in seconds."),
+                    ("e2e_request_latency_seconds", "e2e", "Histogram of e2e request latency in seconds."),
+                    ("request_queue_time_seconds", "queue_time",
+                     "Histogram of time spent in WAITING phase for request."))
+
 def _vllm_metrics(x, s):
     "vLLM's own metric families, from a snapshot `s`."
     m = s["m"]
     x.gauge("vllm:num_requests_running", "Number of requests in model execution batches.", s["running"])
     x.gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", s["waiting"])
     x.gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", m["kv_cache_usage"])
-    x.counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.", m["prefix_cache_queries"])
-    x.counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", m["prefix_cache_hits"])
-    x.counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.", m["num_preemptions"])
+    x.counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+              m["prefix_cache_queries"])
+    x.counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+              m["prefix_cache_hits"])
+    x.counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+              m["num_preemptions"])
     x.counter("vllm:prompt_tokens", "Number of prefill tokens processed.", s["prompt_tokens"])
     x.counter("vllm:generation_tokens", "Number of generation tokens processed.", m["generation_tokens"])
     done = {**dict.fromkeys(_REASONS, 0), **s["finished"]}
     x.family("vllm:request_success_total", "counter", "Count of successfully processed requests.",
              [(dict(finished_reason=k), v) for k, v in done.items()])
-    for name, key, help in (("request_prompt_tokens", "prompt_len", "Number of prefill tokens processed."),
-                            ("request_generation_tokens", "output_len", "Number of generation tokens processed."),
-                            ("time_to_first_token_seconds", "ttft", "Histogram of time to first token in seconds."),
-                            ("inter_token_latency_seconds", "itl", "Histogram of inter-token latency in seconds."),
-                            ("e2e_request_latency_seconds", "e2e", "Histogram of e2e request latency in seconds."),
-                            ("request_queue_time_seconds", "queue_time", "Histogram of time spent in WAITING phase for request.")):
-        x.histogram("vllm:" + name, help, s[key])
+    for name, key, help in _VLLM_HISTOGRAMS: x.histogram("vllm:" + name, help, s[key])
     if "spec_num_draft_tokens" in m:           # speculative decoding (`07_speculative`)
         x.counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", m["spec_num_draft_tokens"])
-        x.counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", m["spec_num_accepted_tokens"])
+        x.counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
+                  m["spec_num_accepted_tokens"])
 
 # %% ../nbs/10_serve.ipynb #f4648665
 def _pagednb_metrics(x, s):
     "pagednb's teaching metrics, which vLLM has no name for."
     m = s["m"]
-    x.gauge("pagednb:prefix_cache_hit_rate", "prefix_cache_hits / prefix_cache_queries since start.", m.get("prefix_cache_hit_rate", 0.0))
-    x.counter("pagednb:prompt_tokens_computed", "Prompt tokens the engine computed (prefix-cache hits excluded).", m["prompt_tokens"])
-    x.family("pagednb:kv_blocks", "gauge", "KV cache blocks by state: used (in a block table), cached (free, reusable prefix), free.",
-             [(dict(state=k), s[k]) for k in ("used", "cached", "free")])
+    x.gauge("pagednb:prefix_cache_hit_rate", "prefix_cache_hits / prefix_cache_queries since start.",
+            m.get("prefix_cache_hit_rate", 0.0))
+    x.counter("pagednb:prompt_tokens_computed", "Prompt tokens the engine computed (prefix-cache hits excluded).",
+              m["prompt_tokens"])
+    x.family("pagednb:kv_blocks", "gauge", "KV cache blocks by state: used (in a block table), cached (free, "
+             "reusable prefix), free.", [(dict(state=k), s[k]) for k in ("used", "cached", "free")])
     x.gauge("pagednb:kv_blocks_invariants_ok", "1 if the block manager's invariants hold.", int(s["ok"]))
-    if "spec_num_draft_tokens" in m:
-        x.gauge("pagednb:spec_decode_acceptance_rate", "Accepted / proposed draft tokens since start.", m["spec_acceptance_rate"])
-        x.gauge("pagednb:spec_decode_mean_accepted_length", "Tokens per verify step (1 + accepted drafts).", m["spec_mean_accepted_length"])
-        x.family("pagednb:spec_decode_acceptance_rate_per_pos", "gauge", "Acceptance rate of the draft token at each position.",
-                 [(dict(position=str(i)), v) for i, v in enumerate(m.get("spec_acceptance_per_position", []))])
+    if "spec_num_draft_tokens" in m: _spec_metrics(x, m)
     for k, v in m.items():                     # anything else the engine reports, under its own name
         if k not in _KNOWN and not k.startswith("spec_") and isinstance(v, (int, float)):
             x.gauge(f"pagednb:engine_{k}", f"engine.get_metrics()['{k}']", v)
+
+def _spec_metrics(x, m):
+    "pagednb's speculative-decoding gauges."
+    x.gauge("pagednb:spec_decode_acceptance_rate", "Accepted / proposed draft tokens since start.",
+            m["spec_acceptance_rate"])
+    x.gauge("pagednb:spec_decode_mean_accepted_length", "Tokens per verify step (1 + accepted drafts).",
+            m["spec_mean_accepted_length"])
+    per_pos = [(dict(position=str(i)), v) for i, v in enumerate(m.get("spec_acceptance_per_position", []))]
+    x.family("pagednb:spec_decode_acceptance_rate_per_pos", "gauge",
+             "Acceptance rate of the draft token at each position.", per_pos)
 
 @patch
 async def metrics_text(self: OpenAIServer) -> str:
@@ -837,7 +885,7 @@ async def metrics_text(self: OpenAIServer) -> str:
 _LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
 def default_allowed_hosts(host):
-    "The `Host` names a server bound to `host` accepts: any (`*`) for every interface, else loopback and `host` itself."
+    "The `Host` names a server bound to `host` accepts: any (`*`) for every interface, else loopback and `host`."
     if host in (None, "", "0.0.0.0", "::"): return ["*"]
     return sorted(set(_LOOPBACK_NAMES) | {host.lower().strip("[]")})
 
@@ -875,29 +923,41 @@ class _Guard:
 def _media_type(raw): return (raw or b"").decode("latin-1").split(";", 1)[0].strip().lower()
 
 @patch
+def too_big(self: _Guard):
+    return APIError(f"the request body is larger than this server's limit of {self.max} bytes", 413,
+                    code="request_too_large")
+
+@patch
+def refusal(self: _Guard, scope, h):
+    "The `APIError` a request's headers `h` earn (wrong Host, no key, too large, not JSON), or None."
+    if not self.host_ok(h.get(b"host")):
+        return APIError("invalid Host header: this server answers only to the names in --allowed-hosts", 400,
+                        code="invalid_host")
+    auth = h.get(b"authorization")
+    if self.keys and scope["path"].startswith(self.guarded) and not self.key_ok(auth):
+        msg = "Incorrect API key provided" if auth else "Missing API key: send 'Authorization: Bearer <key>'"
+        return APIError(msg, 401, code="invalid_api_key")
+    n = h.get(b"content-length", b"0")
+    if n.isdigit() and int(n) > self.max: return self.too_big()
+    posts = scope["method"] in ("POST", "PUT", "PATCH") and scope["path"] != "/ping"
+    if posts and _media_type(h.get(b"content-type")) != "application/json":
+        return APIError("Unsupported Media Type: only 'application/json' bodies are read (send Content-Type: "
+                        "application/json)", 415, code="unsupported_media_type")
+    return None
+
+# %% ../nbs/10_serve.ipynb #c1598311
+@patch
 async def __call__(self: _Guard, scope, receive, send):
     if scope["type"] != "http": return await self.app(scope, receive, send)
-    h = {k.lower(): v for k, v in scope.get("headers", [])}
-    fail = lambda e: e.response()(scope, receive, send)
-    if not self.host_ok(h.get(b"host")):
-        return await fail(APIError("invalid Host header: this server answers only to the names in --allowed-hosts", 400,
-                                   code="invalid_host"))
-    if self.keys and scope["path"].startswith(self.guarded) and not self.key_ok(h.get(b"authorization")):
-        msg = "Incorrect API key provided" if h.get(b"authorization") else "Missing API key: send 'Authorization: Bearer <key>'"
-        return await fail(APIError(msg, 401, code="invalid_api_key"))
-    too_big = APIError(f"the request body is larger than this server's limit of {self.max} bytes", 413, code="request_too_large")
-    n = h.get(b"content-length", b"0")
-    if n.isdigit() and int(n) > self.max: return await fail(too_big)
-    if scope["method"] in ("POST", "PUT", "PATCH") and scope["path"] != "/ping" and _media_type(h.get(b"content-type")) != "application/json":
-        return await fail(APIError("Unsupported Media Type: only 'application/json' bodies are read (send Content-Type: "
-                                   "application/json)", 415, code="unsupported_media_type"))
+    err = self.refusal(scope, {k.lower(): v for k, v in scope.get("headers", [])})
+    if err is not None: return await err.response()(scope, receive, send)
     seen = 0
     async def counted():
         nonlocal seen
         msg = await receive()
         if msg["type"] == "http.request":
             seen += len(msg.get("body", b""))
-            if seen > self.max: raise HTTPException(413, too_big.message)
+            if seen > self.max: raise HTTPException(413, self.too_big().message)
         return msg
     return await self.app(scope, counted, send)
 
@@ -907,21 +967,24 @@ def _validation_error(exc):
     e = errs[0] if errs else {}
     if isinstance(e, str): return APIError(e)
     loc = [str(p) for p in e.get("loc", ()) if p != "body"]
-    if e.get("type") == "json_invalid": return APIError(f"the body is not valid JSON: {e.get('ctx', {}).get('error', e.get('msg'))}")
+    if e.get("type") == "json_invalid":
+        return APIError(f"the body is not valid JSON: {e.get('ctx', {}).get('error', e.get('msg'))}")
     param = ".".join(loc) or None
-    got = f" (got {repr(e['input'])[:80]})" if "input" in e and not isinstance(e["input"], (dict, list, bytes)) else ""
+    shown = "input" in e and not isinstance(e["input"], (dict, list, bytes))
+    got = f" (got {repr(e['input'])[:80]})" if shown else ""
     msg = (f"{param}: " if param else "") + e.get("msg", "invalid request") + got
     if len(errs) > 1: msg += f" (and {len(errs)-1} more problem{'s' if len(errs) > 2 else ''})"
     return APIError(msg, param=param)
 
 def _handlers(app):
-    "Every error as OpenAI's error JSON: ours, FastAPI's validation errors, HTTP errors (404, 405, 413), and bugs (500)."
+    "Every error as OpenAI's error JSON: ours, FastAPI's validation errors, HTTP errors (404, 405, 413), bugs (500)."
     @app.exception_handler(APIError)
     async def _api_error(request, exc): return exc.response()
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, exc): return _validation_error(exc).response()
     @app.exception_handler(StarletteHTTPException)
-    async def _http(request, exc): return APIError(str(exc.detail), exc.status_code).response(getattr(exc, "headers", None))
+    async def _http(request, exc):
+        return APIError(str(exc.detail), exc.status_code).response(getattr(exc, "headers", None))
     @app.exception_handler(ClientDisconnected)
     async def _gone(request, exc): return JSONResponse({}, status_code=499)
     @app.exception_handler(Exception)
@@ -937,9 +1000,11 @@ def build_app(server: OpenAIServer) -> FastAPI:
         server.aengine.start()
         yield
         server.aengine.shutdown()
-    docs = dict(docs_url="/docs", redoc_url="/redoc", openapi_url="/openapi.json") if server.enable_docs else \
-           dict(docs_url=None, redoc_url=None, openapi_url=None)
-    app = FastAPI(title="pagednb", description="OpenAI-compatible API over the pagednb paged engine", lifespan=lifespan, **docs)
+    on = server.enable_docs
+    docs = dict(docs_url="/docs" if on else None, redoc_url="/redoc" if on else None,
+                openapi_url="/openapi.json" if on else None)
+    app = FastAPI(title="pagednb", description="OpenAI-compatible API over the pagednb paged engine",
+                  lifespan=lifespan, **docs)
     app.state.server = server
     _handlers(app)
     _routes(app, server)
@@ -956,15 +1021,18 @@ def _routes(app, server):
     @app.get("/version")
     async def version(): return {"version": __version__}
     @app.get("/metrics", response_class=PlainTextResponse)
-    async def metrics(): return PlainTextResponse(await server.metrics_text(), media_type="text/plain; version=0.0.4")
+    async def metrics():
+        return PlainTextResponse(await server.metrics_text(), media_type="text/plain; version=0.0.4")
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": n, "object": "model", "created": server.created, "owned_by": "pagednb",
-                                            "root": n, "max_model_len": server.max_model_len} for n in server.names]}
+        return {"object": "list", "data": [dict(id=n, object="model", created=server.created, owned_by="pagednb",
+                                                root=n, max_model_len=server.max_model_len) for n in server.names]}
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request): return await server.completion_response(body, request)
+    async def completions(body: CompletionRequest, request: Request):
+        return await server.completion_response(body, request)
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request): return await server.chat_response(body, request)
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await server.chat_response(body, request)
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest): return server.tokenize(body)
     @app.post("/detokenize")
@@ -976,7 +1044,7 @@ def header_timeout_protocol(seconds=HEADER_TIMEOUT):
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
     class HeaderTimeoutH11(H11Protocol):
-        _timer = None                                  # armed from a request's first byte until its headers are complete
+        _timer = None                        # armed from a request's first byte until its headers are complete
         def _arm(self): self._timer = self.loop.call_later(seconds, self._deadline)
         def _disarm(self):
             if self._timer is not None: self._timer.cancel()
@@ -1000,17 +1068,26 @@ def uvicorn_config(app, host="127.0.0.1", port=8000, log_level="info", header_ti
                    h11_max_incomplete_event_size=None, timeout_graceful_shutdown=5):
     "The `uvicorn.Config` of a pagednb server: the header timeout, h11's cap on unfinished headers, a short keep-alive."
     import uvicorn
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=header_timeout_protocol(header_timeout),
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                          http=header_timeout_protocol(header_timeout),
                           h11_max_incomplete_event_size=h11_max_incomplete_event_size, timeout_keep_alive=5,
                           timeout_graceful_shutdown=timeout_graceful_shutdown)
 
 # %% ../nbs/10_serve.ipynb #6a7c192f
-class EngineDeadError(RuntimeError): "The engine's step raised: the server stopped, and should be restarted."
+def _exit_when_dead(srv, dead_grace):
+    "An `on_dead` for `AsyncEngine`: `/health` says 503 for `dead_grace` s, then uvicorn stops."
+    def on_dead(ex):
+        threading.Timer(dead_grace, lambda: setattr(srv, "should_exit", True)).start()
+        t = threading.Timer(dead_grace + 30, lambda: os._exit(1))     # if a connection keeps uvicorn from stopping
+        t.daemon = True
+        t.start()
+    return on_dead
 
 def serve(model=None, host="127.0.0.1", port=8000, api_key=None, served_model_name=None, uvicorn_log_level="info",
-          max_n=MAX_N, max_body_bytes=MAX_BODY_BYTES, max_logprobs=MAX_LOGPROBS, allowed_hosts=None, enable_docs=False,
-          h11_max_incomplete_event_size=None, header_timeout=HEADER_TIMEOUT, dead_grace=1.0, **engine_kwargs):
-    "Load `model` (default: the embedded SmolLM2-135M-Instruct) and serve the OpenAI API on `host:port` until interrupted."
+          max_n=MAX_N, max_body_bytes=MAX_BODY_BYTES, max_logprobs=MAX_LOGPROBS, allowed_hosts=None,
+          enable_docs=False, h11_max_incomplete_event_size=None, header_timeout=HEADER_TIMEOUT, dead_grace=1.0,
+          **engine_kwargs):
+    "Load `model` (default: the embedded SmolLM2-135M-Instruct) and serve the OpenAI API on `host:port`."
     import uvicorn
     engine = LLMEngine(model, **engine_kwargs)
     if engine.tokenizer is None:
@@ -1018,29 +1095,28 @@ def serve(model=None, host="127.0.0.1", port=8000, api_key=None, served_model_na
     names = served_model_name or ([model] if model else None)
     server = OpenAIServer(engine, names, api_key, max_n, max_body_bytes, max_logprobs,
                           allowed_hosts or default_allowed_hosts(host), enable_docs)
-    srv = uvicorn.Server(uvicorn_config(build_app(server), host, port, uvicorn_log_level, header_timeout, h11_max_incomplete_event_size))
-    def on_dead(ex):                                   # /health says 503 for `dead_grace` s, then uvicorn stops
-        threading.Timer(dead_grace, lambda: setattr(srv, "should_exit", True)).start()
-        t = threading.Timer(dead_grace + 30, lambda: os._exit(1))     # if a connection keeps uvicorn from stopping
-        t.daemon = True
-        t.start()
-    server.aengine.on_dead = on_dead
+    config = uvicorn_config(build_app(server), host, port, uvicorn_log_level, header_timeout,
+                            h11_max_incomplete_event_size)
+    srv = uvicorn.Server(config)
+    server.aengine.on_dead = _exit_when_dead(srv, dead_grace)
     print(f"pagednb: serving {server.names} on http://{host}:{port}/v1 (OpenAI API), /metrics, /health", flush=True)
     srv.run()
-    if server.aengine.error is not None:
-        raise EngineDeadError(f"the engine failed ({type(server.aengine.error).__name__}: {server.aengine.error}); restart the server")
+    if (err := server.aengine.error) is not None:
+        raise EngineDeadError(f"the engine failed ({type(err).__name__}: {err}); restart the server")
 
 # %% ../nbs/10_serve.ipynb #5a9f3835
 class BackgroundServer:
-    "Run an ASGI app with uvicorn in a daemon thread on `host:port` (0: a free port); `.url`, `.stop()`, or use `with`."
+    "Run an ASGI app with uvicorn in a daemon thread on `host:port` (0: a free port); `.url`, `.stop()`, `with`."
     def __init__(self, app, host="127.0.0.1", port=0, log_level="warning", timeout=60, header_timeout=HEADER_TIMEOUT):
         import uvicorn
-        self.server = uvicorn.Server(uvicorn_config(app, host, port, log_level, header_timeout, timeout_graceful_shutdown=2))
+        config = uvicorn_config(app, host, port, log_level, header_timeout, timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
         self.thread.start()
         t0 = time.time()
         while not self.server.started:
-            if not self.thread.is_alive() or time.time() - t0 > timeout: raise RuntimeError(f"uvicorn did not start on {host}:{port}")
+            if not self.thread.is_alive() or time.time() - t0 > timeout:
+                raise RuntimeError(f"uvicorn did not start on {host}:{port}")
             time.sleep(0.05)
         self.port = self.server.servers[0].sockets[0].getsockname()[1]
         self.url = f"http://{host}:{self.port}"
@@ -1061,9 +1137,10 @@ async def _bench_level(base_url, api_key, model, concurrency, num_requests, max_
     sem, ttft, itl, ntok = asyncio.Semaphore(concurrency), [], [], []
     async def one(i):
         async with sem:
-            t0 = time.perf_counter(); last = None; n = 0
-            s = await client.completions.create(model=model, prompt=f"{prompt} (request {i})", max_tokens=max_tokens, temperature=0,
-                                                stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+            t0, last, n = time.perf_counter(), None, 0
+            s = await client.completions.create(model=model, prompt=f"{prompt} (request {i})", max_tokens=max_tokens,
+                                                temperature=0, stream=True, stream_options={"include_usage": True},
+                                                extra_body={"ignore_eos": True})
             async for c in s:
                 now = time.perf_counter()
                 if c.choices and c.choices[0].text:
@@ -1080,12 +1157,13 @@ async def _bench_level(base_url, api_key, model, concurrency, num_requests, max_
                 output_tok_per_s=sum(ntok)/dt, ttft_p50_ms=1e3*_pct(ttft, 50), ttft_p99_ms=1e3*_pct(ttft, 99),
                 itl_p50_ms=1e3*_pct(itl, 50), itl_p99_ms=1e3*_pct(itl, 99))
 
-def benchmark_server(base_url, concurrency=(1, 8, 32, 128), num_requests=None, max_tokens=16, api_key="EMPTY", model=None,
-                     prompt="Write a short story about a lighthouse keeper"):
-    "Load-test an OpenAI-compatible server at each concurrency; returns one dict of throughput and latency per level."
+def benchmark_server(base_url, concurrency=(1, 8, 32, 128), num_requests=None, max_tokens=16, api_key="EMPTY",
+                     model=None, prompt="Write a short story about a lighthouse keeper"):
+    "Load-test an OpenAI-compatible server at each concurrency; returns a dict of throughput and latency per level."
     import concurrent.futures, httpx
     base_url = base_url.rstrip("/") + ("" if base_url.rstrip("/").endswith("/v1") else "/v1")
-    model = model or httpx.get(base_url + "/models", headers={"Authorization": f"Bearer {api_key}"}).json()["data"][0]["id"]
+    auth = {"Authorization": f"Bearer {api_key}"}
+    model = model or httpx.get(base_url + "/models", headers=auth).json()["data"][0]["id"]
     rows = []
     for c in concurrency:
         n = num_requests(c) if callable(num_requests) else num_requests or max(4, c)

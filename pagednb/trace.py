@@ -14,13 +14,19 @@ from fastcore.basics import patch
 
 # %% ../nbs/08_trace.ipynb #8c2a9d9c
 def _short_hash(h):
+    "The first 8 hex digits of a block hash."
     if h is None: return None
     return h[:4].hex() if isinstance(h, (bytes, bytearray)) else str(h)[:8]
 
+# %% ../nbs/08_trace.ipynb #372b3d6a
 def _params_dict(p):
-    try: return {k: v for k, v in dataclasses.asdict(p).items()}
-    except TypeError: return {}
+    "Sampling parameters as a dict, or {} if they are not a dataclass."
+    try:
+        return {k: v for k, v in dataclasses.asdict(p).items()}
+    except TypeError:
+        return {}
 
+# %% ../nbs/08_trace.ipynb #e7cba2d4
 class Trace:
     "A record of engine steps as plain JSON-able dicts; attach it to an engine with `Trace.attach(engine)`."
     format = "pagednb-trace"
@@ -36,20 +42,25 @@ class Trace:
 
     def __len__(self): return len(self.steps)
     def __repr__(self):
-        m = self.meta
-        return (f"Trace({len(self.steps)} steps, {len(self.seqs)} sequences, {m.get('num_blocks')} blocks of {m.get('block_size')}, "
-                f"{'attached' if self.engine is not None else 'detached'})")
+        m, state = self.meta, "attached" if self.engine is not None else "detached"
+        return (f"Trace({len(self.steps)} steps, {len(self.seqs)} sequences, "
+                f"{m.get('num_blocks')} blocks of {m.get('block_size')}, {state})")
 
 # %% ../nbs/08_trace.ipynb #b9bcec9c
 def _engine_meta(engine):
+    "The engine's model name, pool and scheduler knobs, for the trace's `meta`."
     bm, sc, cfg = engine.block_manager, engine.sched_config, engine.model_config
-    name = getattr(engine.tokenizer, "name_or_path", None)           # a folder: keep its name only, not the local path
-    return dict(model=Path(str(name)).name if name else f"{cfg.model_type} ({cfg.num_hidden_layers} layers, {cfg.hidden_size} hidden)",
-                num_blocks=bm.num_blocks, block_size=bm.block_size, enable_prefix_caching=bool(getattr(bm, "enable_prefix_caching", False)),
+    name = getattr(engine.tokenizer, "name_or_path", None)     # a folder: keep its name only, not the local path
+    shape = f"{cfg.model_type} ({cfg.num_hidden_layers} layers, {cfg.hidden_size} hidden)"
+    model = Path(str(name)).name if name else shape
+    attn = getattr(getattr(engine, "runner", None), "attn", None)
+    return dict(model=model, num_blocks=bm.num_blocks, block_size=bm.block_size,
+                enable_prefix_caching=bool(getattr(bm, "enable_prefix_caching", False)),
                 enable_chunked_prefill=sc.enable_chunked_prefill, max_num_batched_tokens=sc.max_num_batched_tokens,
                 max_num_seqs=sc.max_num_seqs, max_model_len=sc.max_model_len,
-                attention_backend=getattr(getattr(engine, "runner", None), "attn", None) and engine.runner.attn.backend)
+                attention_backend=attn and engine.runner.attn.backend)
 
+# %% ../nbs/08_trace.ipynb #ef98a223
 @patch(cls_method=True)
 def attach(cls: Trace, engine) -> "Trace":
     "Start recording every step of `engine` (an `LLMEngine`, or an `LLM`); returns the trace."
@@ -59,98 +70,141 @@ def attach(cls: Trace, engine) -> "Trace":
     tr = cls(meta=_engine_meta(engine))
     tr.engine, tr._prev, tr._tok = engine, engine.on_step, engine.tokenizer
     tr.meta["attached_at"] = time.strftime("%Y-%m-%d %H:%M:%S")
-    if tr._prev is None: engine.on_step = tr.record
-    else:
-        prev = tr._prev
-        def both(e, plan, sampled): tr.record(e, plan, sampled); prev(e, plan, sampled)
-        both.trace = tr
-        engine.on_step = both
+    engine.on_step = tr.record if tr._prev is None else _chain(tr, tr._prev)
     return tr
 
+# %% ../nbs/08_trace.ipynb #c08eab0b
+def _chain(tr, prev):
+    "A hook that records into `tr`, then calls the hook that was there before."
+    def both(e, plan, sampled):
+        tr.record(e, plan, sampled)
+        prev(e, plan, sampled)
+    both.trace = tr
+    return both
+
+# %% ../nbs/08_trace.ipynb #c4c28e7d
 @patch
 def detach(self: Trace) -> Trace:
     "Stop recording; the engine's hook is what it was before `attach`."
     e = self.engine
-    if e is not None and (e.on_step == self.record or getattr(e.on_step, "trace", None) is self): e.on_step = self._prev
+    if e is not None and (e.on_step == self.record or getattr(e.on_step, "trace", None) is self):
+        e.on_step = self._prev
     self.engine = self._prev = None
     return self
 
+# %% ../nbs/08_trace.ipynb #1d57b020
 @contextlib.contextmanager
 def tracing(llm_or_engine):
     "Record the steps run inside the `with` block: `with tracing(llm) as tr: llm.generate(...)`."
     tr = Trace.attach(llm_or_engine)
-    try: yield tr
-    finally: tr.detach()
+    try:
+        yield tr
+    finally:
+        tr.detach()
 
 # %% ../nbs/08_trace.ipynb #93ff5afb
 @patch
 def _piece(self: Trace, t):
+    "Decode token `t` once into `pieces`; returns its key."
     k = str(t)
     if k not in self.pieces:
         tok = self._tok
         self.pieces[k] = tok.decode([t]) if tok is not None else f"<{t}>"
     return k
 
+# %% ../nbs/08_trace.ipynb #a0ddf261
 @patch
 def _learn(self: Trace, seq, step):
     "Add `seq`'s tokens that the trace has not seen yet (token lists only ever grow at the end)."
-    k = str(seq.seq_id); e = self.seqs.get(k)
-    if e is None:
-        req = getattr(seq, "request", None); rid = getattr(req, "request_id", None)
-        rid = str(rid) if rid is not None else f"seq-{seq.seq_id}"
-        e = self.seqs[k] = dict(request=rid, index=getattr(seq, "index", 0), prompt_len=seq.num_prompt_tokens,
-                                first_step=step, token_ids=[])
-        if rid not in self.requests:
-            p = getattr(req, "params", None) or getattr(seq, "params", None)
-            self.requests[rid] = dict(prompt=getattr(req, "prompt", None), prompt_token_ids=list(seq.token_ids[:seq.num_prompt_tokens]),
-                                      params=_params_dict(p), max_tokens=getattr(p, "max_tokens", None))
+    k = str(seq.seq_id)
+    e = self.seqs.get(k) or self._new_seq(seq, step)
     ids = e["token_ids"]
     if len(ids) < seq.num_tokens:
         new = seq.token_ids[len(ids):]
-        for t in new: self._piece(t)
+        for t in new:
+            self._piece(t)
         ids.extend(new)
 
+# %% ../nbs/08_trace.ipynb #a4d56ded
+@patch
+def _new_seq(self: Trace, seq, step):
+    "The trace's entry for a sequence seen for the first time, and for its request."
+    req = getattr(seq, "request", None)
+    rid = getattr(req, "request_id", None)
+    rid = str(rid) if rid is not None else f"seq-{seq.seq_id}"
+    e = self.seqs[str(seq.seq_id)] = dict(request=rid, index=getattr(seq, "index", 0),
+                                          prompt_len=seq.num_prompt_tokens, first_step=step, token_ids=[])
+    if rid not in self.requests:
+        p = getattr(req, "params", None) or getattr(seq, "params", None)
+        self.requests[rid] = dict(prompt=getattr(req, "prompt", None),
+                                  prompt_token_ids=list(seq.token_ids[:seq.num_prompt_tokens]),
+                                  params=_params_dict(p), max_tokens=getattr(p, "max_tokens", None))
+    return e
+
+# %% ../nbs/08_trace.ipynb #c24e04cf
+def _scheduled_entries(plan) -> list:
+    "Per sequence that ran: seq, kind, start, n (and, on a speculative step, proposed and accepted)."
+    out, spec = [], getattr(plan, "spec", None) or {}          # spec: seq_id -> proposed, num_accepted
+    for s in plan.scheduled:
+        d = dict(seq=s.seq.seq_id, kind=s.kind, start=s.start, n=s.num_new_tokens)
+        sp = spec.get(s.seq.seq_id)
+        if sp:
+            d.update(proposed=list(sp["proposed"]), accepted=sp["num_accepted"])
+        out.append(d)
+    return out
+
+def _ids_dict(d) -> dict: return {str(k): list(v) for k, v in d.items()}
+
+def _token_lists(sampled) -> dict:
+    "Each sequence's sampled tokens as a list (a speculative step samples several)."
+    return {str(k): (list(v) if isinstance(v, (list, tuple)) else [v]) for k, v in sampled.items()}
+
+# %% ../nbs/08_trace.ipynb #a12486df
+def _pool_entries(bm) -> dict:
+    "Per physical block: reference count, state (`u` used, `f` free, `c` cached-free), and the short hashes."
+    cached = bm.cached_free
+    state = "".join("u" if b.ref_count else ("c" if b.block_id in cached else "f") for b in bm.blocks)
+    hashes = {str(b.block_id): _short_hash(b.block_hash) for b in bm.blocks if b.block_hash is not None}
+    return dict(ref=[b.ref_count for b in bm.blocks], state=state, hash=hashes)
+
+def _kv_entry(engine, bm) -> dict:
+    "KV use after the step, from the engine's metrics and the pool."
+    m = engine.get_metrics()
+    return dict(usage=round(m["kv_cache_usage"], 4), waste=round(m["kv_cache_waste"], 4), free=bm.num_free_blocks,
+                cached_free=bm.num_cached_free_blocks, hit_rate=round(m["prefix_cache_hit_rate"], 4),
+                preemptions=m["num_preemptions"])
+
+# %% ../nbs/08_trace.ipynb #4dfbc25f
 @patch
 def record(self: Trace, engine, plan, sampled):
     "The engine's `on_step` hook: append this step to the trace."
     bm, sch, i = engine.block_manager, engine.scheduler, len(self.steps)
     live = list(sch.running) + list(sch.waiting)
     ran = [s.seq for s in plan.scheduled]
-    for s in live + ran: self._learn(s, i)
+    for s in live + ran:
+        self._learn(s, i)
     finished = [s.seq_id for s in ran if s not in sch.running and s not in sch.waiting]
-    sched, spec = [], getattr(plan, "spec", None) or {}          # spec: seq_id -> proposed, num_accepted (speculative steps)
-    for s in plan.scheduled:
-        d = dict(seq=s.seq.seq_id, kind=s.kind, start=s.start, n=s.num_new_tokens)
-        sp = spec.get(s.seq.seq_id)
-        if sp: d.update(proposed=list(sp["proposed"]), accepted=sp["num_accepted"])
-        sched.append(d)
-    cached = bm.cached_free
-    state = "".join("u" if b.ref_count else ("c" if b.block_id in cached else "f") for b in bm.blocks)
-    m = engine.get_metrics()
+    seqs = {str(s.seq_id): dict(table=list(s.block_table), tokens=s.num_tokens, computed=s.num_computed_tokens,
+                                cached=s.num_cached_tokens) for s in live}
     self.steps.append(dict(
-        step=i, time=round(time.perf_counter() - self._t0, 4), budget=plan.token_budget, batched=plan.num_batched_tokens,
-        scheduled=sched, preempted=list(plan.preempted),
-        freed={str(k): list(v) for k, v in plan.freed.items()}, allocated={str(k): list(v) for k, v in plan.allocated.items()},
-        shared={str(k): list(v) for k, v in plan.shared.items()}, copies=[list(c) for c in plan.copies],
-        seqs={str(s.seq_id): dict(table=list(s.block_table), tokens=s.num_tokens, computed=s.num_computed_tokens,
-                                  cached=s.num_cached_tokens) for s in live},
-        running=[s.seq_id for s in sch.running], waiting=[s.seq_id for s in sch.waiting], finished=finished,
-        ref=[b.ref_count for b in bm.blocks], state=state,
-        hash={str(b.block_id): _short_hash(b.block_hash) for b in bm.blocks if b.block_hash is not None},
-        sampled={str(k): (list(v) if isinstance(v, (list, tuple)) else [v]) for k, v in sampled.items()},
-        kv=dict(usage=round(m["kv_cache_usage"], 4), waste=round(m["kv_cache_waste"], 4), free=bm.num_free_blocks,
-                cached_free=bm.num_cached_free_blocks, hit_rate=round(m["prefix_cache_hit_rate"], 4),
-                preemptions=m["num_preemptions"])))
-    for k, v in sampled.items():
-        for t in (v if isinstance(v, (list, tuple)) else [v]): self._piece(t)
+        step=i, time=round(time.perf_counter() - self._t0, 4), budget=plan.token_budget,
+        batched=plan.num_batched_tokens, scheduled=_scheduled_entries(plan), preempted=list(plan.preempted),
+        freed=_ids_dict(plan.freed), allocated=_ids_dict(plan.allocated), shared=_ids_dict(plan.shared),
+        copies=[list(c) for c in plan.copies], seqs=seqs, running=[s.seq_id for s in sch.running],
+        waiting=[s.seq_id for s in sch.waiting], finished=finished, **_pool_entries(bm),
+        sampled=_token_lists(sampled), kv=_kv_entry(engine, bm)))
+    for toks in self.steps[-1]["sampled"].values():
+        for t in toks:
+            self._piece(t)
 
 # %% ../nbs/08_trace.ipynb #9fabf2b9
 @patch
 def nbytes(self: Trace) -> dict:
-    "Bytes of compact JSON: the whole trace, per step (mean, max), and the per-trace tables (sequences, token texts)."
+    "Bytes of compact JSON: the whole trace, per step (mean, max), and the tables (sequences, token texts)."
     dumps = lambda o: len(json.dumps(o, separators=(",", ":")))
     per = [dumps(s) for s in self.steps]
-    return dict(total=len(self.to_json()), steps=sum(per), per_step=round(sum(per)/max(1, len(per))), max_step=max(per, default=0),
+    return dict(total=len(self.to_json()), steps=sum(per), per_step=round(sum(per)/max(1, len(per))),
+                max_step=max(per, default=0),
                 tables=dumps(self.seqs) + dumps(self.requests) + dumps(self.pieces) + dumps(self.meta))
 
 # %% ../nbs/08_trace.ipynb #2ec2e91d
@@ -160,25 +214,31 @@ def to_dict(self: Trace) -> dict:
     return dict(format=self.format, version=self.version, meta=self.meta, seqs=self.seqs, requests=self.requests,
                 pieces=self.pieces, steps=self.steps)
 
+# %% ../nbs/08_trace.ipynb #cf09f5e3
 @patch
 def to_json(self: Trace) -> str: return json.dumps(self.to_dict(), separators=(",", ":"))
 
+# %% ../nbs/08_trace.ipynb #b494da71
 @patch
 def save(self: Trace, path) -> Path:
     "Write the trace to `path` as JSON."
-    path = Path(path); path.parent.mkdir(parents=True, exist_ok=True)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(self.to_json(), encoding="utf-8")
     return path
 
+# %% ../nbs/08_trace.ipynb #0c990b77
 @patch(cls_method=True)
 def from_dict(cls: Trace, d) -> "Trace":
     "A trace from `to_dict`'s output."
     if not isinstance(d, dict) or d.get("format") != cls.format:
         raise ValueError(f"not a pagednb trace (expected a JSON object with format={cls.format!r})")
     if d.get("version", 0) > cls.version:
-        raise ValueError(f"this trace has version {d['version']}; this pagednb reads traces up to version {cls.version}: upgrade pagednb")
+        raise ValueError(f"this trace has version {d['version']}; this pagednb reads traces up to version "
+                         f"{cls.version}: upgrade pagednb")
     return cls(d["meta"], d["steps"], d["seqs"], d["requests"], d["pieces"])
 
+# %% ../nbs/08_trace.ipynb #0ab6f625
 @patch(cls_method=True)
 def load(cls: Trace, path) -> "Trace":
     "Read a trace saved with `save`."
@@ -187,6 +247,7 @@ def load(cls: Trace, path) -> "Trace":
 # %% ../nbs/08_trace.ipynb #b7e35d5e
 @patch
 def _page_tokens(self: Trace, sid, logical, ntok):
+    "The tokens in logical page `logical` of sequence `sid`, when it had `ntok` tokens."
     bs = self.meta["block_size"]
     return self.seqs[str(sid)]["token_ids"][logical*bs:min((logical + 1)*bs, ntok)]
 
@@ -200,47 +261,71 @@ def preempted_before(self: Trace, i) -> set:
     "Sequences preempted at or before step `i`."
     return {sid for st in self.steps[:i + 1] for sid in st["preempted"]}
 
+# %% ../nbs/08_trace.ipynb #8c00ccad
 @patch
-def step(self: Trace, i) -> dict:
-    "Step `i` expanded for the views: plan, sequences with their pages' tokens and text, blocks with owners, queues, tokens, KV."
-    if not -len(self.steps) <= i < len(self.steps): raise IndexError(f"step {i} is out of range: this trace has {len(self.steps)} steps")
-    st, bs = self.steps[i], self.meta["block_size"]
-    i = st["step"]
-    again = self.preempted_before(i - 1) if i else set()
-    seqs, owners = [], {}
+def _step_seqs(self: Trace, st) -> tuple:
+    "The live sequences of compact step `st`, each page with its tokens and text; and block -> owners."
+    bs, seqs, owners = self.meta["block_size"], [], {}
     for k, s in st["seqs"].items():
         sid, e = int(k), self.seqs[k]
         pages = []
         for lg, b in enumerate(s["table"]):
             toks = self._page_tokens(sid, lg, s["tokens"])
-            pages.append(dict(block=b, tokens=toks, text=self.text_of(toks), computed=max(0, min(bs, s["computed"] - lg*bs))))
+            computed = max(0, min(bs, s["computed"] - lg*bs))
+            pages.append(dict(block=b, tokens=toks, text=self.text_of(toks), computed=computed))
             owners.setdefault(b, []).append([sid, lg])
         status = "running" if sid in st["running"] else "waiting"
-        seqs.append(dict(seq_id=sid, request=e["request"], index=e["index"], status=status, block_table=list(s["table"]),
-                         num_tokens=s["tokens"], num_prompt_tokens=e["prompt_len"], num_computed_tokens=s["computed"],
-                         num_cached_tokens=s["cached"], pages=pages))
-    by_id = {s["seq_id"]: s for s in seqs}
-    blocks = []
+        seqs.append(dict(seq_id=sid, request=e["request"], index=e["index"], status=status,
+                         block_table=list(s["table"]), num_tokens=s["tokens"], num_prompt_tokens=e["prompt_len"],
+                         num_computed_tokens=s["computed"], num_cached_tokens=s["cached"], pages=pages))
+    return seqs, owners
+
+# %% ../nbs/08_trace.ipynb #3ae3abd3
+@patch
+def _step_blocks(self: Trace, st, seqs, owners) -> list:
+    "Every physical block of compact step `st`: state, reference count, owners, hash, and its tokens and text."
+    by_id, blocks = {s["seq_id"]: s for s in seqs}, []
     for b, (ref, state) in enumerate(zip(st["ref"], st["state"])):
         own = owners.get(b, [])
         toks = by_id[own[0][0]]["pages"][own[0][1]]["tokens"] if own else None
         blocks.append(dict(id=b, state=dict(u="used", f="free", c="cached")[state], ref_count=ref, owners=own,
                            hash=st["hash"].get(str(b)), tokens=toks, text=self.text_of(toks) if toks else None))
+    return blocks
+
+# %% ../nbs/08_trace.ipynb #7eaa5254
+@patch
+def _step_scheduled(self: Trace, st, again) -> list:
+    "The scheduled sequences of `st` with their new tokens, and whether they are recomputing after a preemption."
     sched = []
     for s in st["scheduled"]:
         e = self.seqs[str(s["seq"])]
         toks = e["token_ids"][s["start"]:s["start"] + s["n"]]
-        sched.append(dict(s, request=e["request"], num_new_tokens=s["n"], recompute=s["kind"] == "prefill" and s["seq"] in again,
-                          tokens=toks, text=self.text_of(toks)))
-    return dict(step=i, time=st["time"],
-                plan=dict(token_budget=st["budget"], num_batched_tokens=st["batched"], scheduled=sched, preempted=st["preempted"],
-                          freed=st["freed"], allocated=st["allocated"], shared=st["shared"], copies=st["copies"]),
-                seqs=seqs, blocks=blocks,
-                queues=dict(running=st["running"], waiting=st["waiting"], preempted=st["preempted"], finished=st["finished"],
-                            recompute=[sid for sid in st["waiting"] if sid in again or sid in st["preempted"]]),
+        recompute = s["kind"] == "prefill" and s["seq"] in again
+        sched.append(dict(s, request=e["request"], num_new_tokens=s["n"], recompute=recompute, tokens=toks,
+                          text=self.text_of(toks)))
+    return sched
+
+# %% ../nbs/08_trace.ipynb #4cf77a8c
+@patch
+def step(self: Trace, i) -> dict:
+    "Step `i` expanded for the views: plan, sequences with their pages' text, blocks with owners, queues, KV."
+    if not -len(self.steps) <= i < len(self.steps):
+        raise IndexError(f"step {i} is out of range: this trace has {len(self.steps)} steps")
+    st = self.steps[i]
+    i = st["step"]
+    again = self.preempted_before(i - 1) if i else set()
+    seqs, owners = self._step_seqs(st)
+    plan = dict(token_budget=st["budget"], num_batched_tokens=st["batched"],
+                scheduled=self._step_scheduled(st, again), preempted=st["preempted"], freed=st["freed"],
+                allocated=st["allocated"], shared=st["shared"], copies=st["copies"])
+    queues = dict(running=st["running"], waiting=st["waiting"], preempted=st["preempted"], finished=st["finished"],
+                  recompute=[sid for sid in st["waiting"] if sid in again or sid in st["preempted"]])
+    blocks = self._step_blocks(st, seqs, owners)
+    return dict(step=i, time=st["time"], plan=plan, seqs=seqs, blocks=blocks, queues=queues,
                 sampled={int(k): v for k, v in st["sampled"].items()},
                 sampled_text={int(k): self.text_of(v) for k, v in st["sampled"].items()}, kv=st["kv"])
 
+# %% ../nbs/08_trace.ipynb #06a32b57
 @patch
 def __getitem__(self: Trace, i): return self.step(i)
 
@@ -249,10 +334,13 @@ def __getitem__(self: Trace, i): return self.step(i)
 def snapshot(self: Trace, i) -> dict:
     "Step `i` in the format of `memory_snapshot` (what `plot_memory_map` draws); hashes are shortened."
     v = self.step(i)
-    used = sum(1 for b in v["blocks"] if b["state"] == "used"); cached = sum(1 for b in v["blocks"] if b["state"] == "cached")
+    used = sum(1 for b in v["blocks"] if b["state"] == "used")
+    cached = sum(1 for b in v["blocks"] if b["state"] == "cached")
     holders = sorted((s for s in v["seqs"] if s["block_table"]), key=lambda s: s["seq_id"])
-    return dict(num_blocks=self.meta["num_blocks"], block_size=self.meta["block_size"], num_free_blocks=len(v["blocks"]) - used,
-                num_used_blocks=used, num_cached_free_blocks=cached,
-                blocks=[{k: b[k] for k in ("id", "state", "ref_count", "hash", "owners", "tokens", "text")} for b in v["blocks"]],
-                seqs=[{k: s[k] for k in ("seq_id", "block_table", "num_tokens", "num_prompt_tokens", "num_computed_tokens", "num_cached_tokens")}
-                      for s in holders])
+    block_keys = ("id", "state", "ref_count", "hash", "owners", "tokens", "text")
+    seq_keys = ("seq_id", "block_table", "num_tokens", "num_prompt_tokens", "num_computed_tokens",
+                "num_cached_tokens")
+    return dict(num_blocks=self.meta["num_blocks"], block_size=self.meta["block_size"],
+                num_free_blocks=len(v["blocks"]) - used, num_used_blocks=used, num_cached_free_blocks=cached,
+                blocks=[{k: b[k] for k in block_keys} for b in v["blocks"]],
+                seqs=[{k: s[k] for k in seq_keys} for s in holders])

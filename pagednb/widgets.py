@@ -13,6 +13,8 @@ __all__ = ['CELL', 'QUEUES', 'seq_color', 'geometry', 'map_panel', 'batch_panel'
 import html as _html, json, math
 from pathlib import Path
 from .trace import Trace
+from .engine import LLM
+from .sampling import SamplingParams
 from .block_manager import _PALETTE, _FREE, _CACHED
 from fastcore.basics import patch
 
@@ -483,7 +485,6 @@ def _safely(self: EngineStepper, f):
 def add_request(self: EngineStepper, prompt, max_tokens: int = 8, temperature: float = 0.0):
     "Queue a request in the live engine (greedy by default); it is scheduled at the next engine step."
     if not self.live: raise ValueError("add_request needs a live engine: build the stepper from an LLM or LLMEngine, not a Trace")
-    from pagednb.sampling import SamplingParams
     if isinstance(prompt, str) and not prompt.strip(): raise ValueError("the prompt is empty: type some text first")
     rid = f"live-{len(self.trace.requests) + len(self.engine.requests)}"
     while rid in self.engine.requests: rid += "+"
@@ -528,10 +529,8 @@ def _grew(self: EngineStepper):
 @patch
 def rerun(self: EngineStepper, block_size=None, num_blocks=None, enable_prefix_caching=None, enable_chunked_prefill=None,
           max_num_batched_tokens=None, run: bool = True):
-    "Rebuild the live engine from the same weights with new knobs, re-add every request of this session, and run it."
+    "Rebuild the live engine from the same weights with new knobs, re-add every request it has run, and run it."
     if not self.live: raise ValueError("rerun needs a live engine: build the stepper from an LLM or LLMEngine, not a Trace")
-    from pagednb.engine import LLM
-    from pagednb.sampling import SamplingParams
     e, m = self.engine, self.trace.meta
     kw = dict(block_size=block_size or m["block_size"], num_gpu_blocks_override=num_blocks or m["num_blocks"],
               enable_prefix_caching=m["enable_prefix_caching"] if enable_prefix_caching is None else enable_prefix_caching,

@@ -22,7 +22,7 @@ def _target(node):
 
 def _absolute(name):
     parts = name.split(".")
-    if parts[0] != "pagednb": return parts[0]                 # a third-party or standard package: its top name
+    if parts[0] != "pagednb": return parts[0]                 # another package: its top-level name
     return "pagednb." + (parts[1] if len(parts) > 1 else "__init__")
 
 def _submodule(base, name):
@@ -87,18 +87,20 @@ def test_scheduler_imports_no_model_runner_or_engine():
 
 def test_kernels_are_leaves():
     check(importers_of(KERNELS, ["engine", "runner", "scheduler", "widgets"]),
-          "kernels (attention, cpu_attention, cpu_ops) are leaves: they import no engine, runner, scheduler or view")
+          "kernels (attention, cpu_attention, cpu_ops) are leaves: they import no engine, runner, scheduler "
+          "or view")
 
 def test_engine_imports_no_view_or_server():
     check(importers_of(["engine"], ["widgets", "serve"]), "the engine imports no widgets and no server")
 
 def test_trace_is_data():
-    check(importers_of(["trace"], ["widgets"]), "the trace is data, drawn by others: trace imports no widgets")
+    check(importers_of(["trace"], ["widgets"]), "the trace is data, drawn by others: it imports no widgets")
 
 def test_no_pagednb_import_inside_a_function():
-    found = [(m, line, text) for m in MODULES for line, t, text, inside in ALL[m] if inside and t.startswith("pagednb.")]
-    check(found, "no import of a pagednb module inside a function (import it at the top; if that makes a circle, "
-                 "the code is in the wrong module)")
+    found = [(m, line, text) for m in MODULES for line, t, text, inside in ALL[m]
+             if inside and t.startswith("pagednb.")]
+    check(found, "no import of a pagednb module inside a function (import it at the top; if that makes a "
+                 "circle, the code is in the wrong module)")
 
 def find_cycle(g):
     "One import circle of graph `g` as a list of modules (first == last), or None."
@@ -118,8 +120,10 @@ def find_cycle(g):
 
 def test_no_import_cycle():
     cycle = find_cycle(graph())
-    assert cycle is None, "import circle: " + " -> ".join(cycle) + "\n" + "\n".join(
-        where(a, line, text) for a, b in zip(cycle, cycle[1:]) for line, t, text, _ in ALL[a] if t == f"pagednb.{b}")
+    if cycle is None: return
+    sites = [where(a, line, text) for a, b in zip(cycle, cycle[1:]) for line, t, text, _ in ALL[a]
+             if t == f"pagednb.{b}"]
+    pytest.fail("import circle: " + " -> ".join(cycle) + "\n" + "\n".join(sites))
 
 def test_the_checks_see_every_form():
     "The reader itself: relative, absolute, package-level and in-function imports all resolve to the module."

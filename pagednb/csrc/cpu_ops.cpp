@@ -10,17 +10,8 @@ static inline bool worth_threads(int64_t elems, int nt) { return nt > 1 && elems
 static inline v8 exp8(v8 x) {
   x = x < splat(-104.f) ? splat(-104.f) : x;  // e^-104 is below the smallest denormal
   x = x > splat(89.f) ? splat(89.f) : x;      // e^89 overflows float: inf
-  // round to nearest (1.5 * 2^23 trick)
-  const v8 nr = (x * splat(1.44269504f) + splat(12582912.f)) - splat(12582912.f);
-  // ln 2 in two parts, so r stays exact
-  const v8 r = x - nr * splat(0.693145752f) - nr * splat(1.42860677e-6f);
-  v8 p = splat(1.f / 720);
-  p = p * r + splat(1.f / 120);
-  p = p * r + splat(1.f / 24);
-  p = p * r + splat(1.f / 6);
-  p = p * r + splat(0.5f);
-  p = p * r + splat(1.f);
-  p = p * r + splat(1.f);
+  v8 nr;
+  const v8 p = exp_reduced(x, &nr);
   const i8 n = __builtin_convertvector(nr, i8), n1 = n >> 1, n2 = n - n1;
   // 2^n1 and 2^n2 as a float's exponent bits
   const i8 b1 = (n1 + 127) << 23, b2 = (n2 + 127) << 23;
