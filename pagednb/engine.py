@@ -342,11 +342,11 @@ class StepResult:
     prompt_logprobs: dict = field(default_factory=dict)   # request -> logprob entries for its next prompt tokens
 
 class StepSnapshot:
-    "What a failed compute phase must put back: sequence lengths, scheduled sizes, forks and generator states."
+    "What a failed compute phase must put back: scheduled sizes and drafts, forks, generator states."
     def __init__(self, engine, plan):
         self.engine, self.plan = engine, plan
         self.seqs = [(sc, len(sc.seq.token_ids), sc.num_new_tokens, sc.kind, sc.seq.num_computed_tokens)
-                     for sc in plan.scheduled]
+                     for sc in plan.scheduled]                        # drafts are not in token_ids: lengths only
         gens = [engine.generator] + [sc.seq.generator for sc in plan.scheduled if sc.seq.generator is not None]
         self.gens = [(g, g.get_state()) for g in gens]
         engine._forked = []
@@ -354,6 +354,7 @@ class StepSnapshot:
         for sc, n, k, kind, computed in self.seqs:
             del sc.seq.token_ids[n:]
             sc.num_new_tokens, sc.kind, sc.seq.num_computed_tokens = k, kind, computed
+            sc.draft_tokens = []
         for g, state in self.gens:
             g.set_state(state)
         for child in self.engine._forked:
@@ -415,8 +416,8 @@ def _logit_rows(self: LLMEngine, plan, ready, counts):
 @patch
 def _compute(self: LLMEngine, plan) -> StepResult:
     "Propose drafts, run the forward, then sample (or verify drafts); the engine's state is not committed yet."
-    drafts = self.spec.propose(self, plan) if self.spec else {}          # seq_id -> draft tokens, appended to token_ids
-    ready = [sc for sc in plan.scheduled if sc.start + sc.num_new_tokens == sc.seq.num_tokens]
+    drafts = self.spec.propose(self, plan) if self.spec else {}          # seq_id -> draft tokens, on the ScheduledSeq
+    ready = [sc for sc in plan.scheduled if sc.start + sc.num_new_tokens - len(sc.draft_tokens) == sc.seq.num_tokens]
     counts = [1 + len(drafts.get(sc.seq.seq_id, ())) for sc in ready]
     hidden = self.runner.execute(plan)
     if self.spec: self.spec.after_forward(self)
@@ -432,8 +433,7 @@ def _compute(self: LLMEngine, plan) -> StepResult:
 
 @patch
 def _verify(self: LLMEngine, sc, logits, drafts, result):
-    "Keep what verification accepts of one sequence's drafts; its rejected drafts leave `token_ids`."
-    del sc.seq.token_ids[sc.start + 1:]
+    "Keep what verification accepts of one sequence's drafts (the commit appends them)."
     toks = self.spec.verify(self, sc.seq, logits, drafts)
     result.tokens[sc.seq] = (toks, None)
     result.computed[sc.seq.seq_id] = sc.start + len(toks)                # drafts kept have their K/V cached

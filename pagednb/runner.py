@@ -118,7 +118,7 @@ class ModelRunner:
         "Flat `input_ids`, `positions`, `slot_mapping`, `block_tables`, `seq_lens`, `query_start_loc` for a plan."
         sch, dev, bs = plan.scheduled, self.device, self.block_size
         n = torch.tensor([s.num_new_tokens for s in sch]); start = torch.tensor([s.start for s in sch])
-        ids = list(itertools.chain.from_iterable(s.seq.token_ids[s.start:s.start+s.num_new_tokens] for s in sch))
+        ids = list(itertools.chain.from_iterable(s.input_ids for s in sch))
         qsl = torch.zeros(len(sch)+1, dtype=torch.int32); qsl[1:] = n.cumsum(0)
         row = torch.repeat_interleave(torch.arange(len(sch)), n)
         pos = start[row] + torch.arange(len(ids)) - qsl[:-1].long()[row]

@@ -48,6 +48,13 @@ class ScheduledSeq:
     start: int
     kind: str = "prefill"       # "decode": one generated token
     num_lookahead: int = 0      # slots reserved for speculative tokens
+    draft_tokens: list = field(default_factory=list)   # this step's speculative tokens, after the sequence's own
+
+    @property
+    def input_ids(self):
+        "The tokens this step computes: the sequence's own from `start`, then any drafts."
+        own = self.seq.token_ids[self.start:self.start + self.num_new_tokens - len(self.draft_tokens)]
+        return own + self.draft_tokens
 
 # %% ../nbs/05_scheduler.ipynb #752bfe24
 @dataclass

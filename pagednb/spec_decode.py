@@ -6,11 +6,11 @@ Docs: https://pagednb.github.io/pagednb/speculative.html.md"""
 
 # %% auto #0
 __all__ = ['METHODS', 'parse_speculative_config', 'ngram_propose', 'greedy_accept', 'rejection_accept', 'first_token_histogram',
-           'chi_square', 'TruncatedDraft', 'DraftModelProposer', 'SpecDecoder', 'propose', 'after_forward', 'verify',
-           'metrics', 'plot_speculation']
+           'chi_square', 'TruncatedDraft', 'DraftModelProposer', 'SpecDecoder', 'plot_speculation']
 
 # %% ../nbs/07_speculative.ipynb #6c7e82fe
 import dataclasses, time
+from fastcore.basics import patch
 import numpy as np, torch, torch.nn as nn
 from numpy.lib.stride_tricks import sliding_window_view
 from .sampling import probabilities
@@ -182,8 +182,9 @@ class SpecDecoder:
         return max(0, min(self.k, room))
 
 # %% ../nbs/07_speculative.ipynb #a144a48f
+@patch
 def propose(self: SpecDecoder, engine, plan):
-    "Append drafts to every scheduled sequence that has lookahead slots; returns {seq_id: drafts}."
+    "Draft tokens for every scheduled sequence that has lookahead slots, on its `ScheduledSeq`; returns {seq_id: drafts}."
     if self.proposer is not None:                                # copy-on-write for the draft's cache too
         for src, dst in plan.copies: self.proposer.kv[:, :, dst] = self.proposer.kv[:, :, src]
     scs = [sc for sc in plan.scheduled if sc.num_lookahead]
@@ -196,17 +197,18 @@ def propose(self: SpecDecoder, engine, plan):
     else: drafts, qs = self.proposer.propose([sc.seq for sc in scs], [sc.num_lookahead for sc in scs])
     for sc, d, q in zip(scs, drafts, qs):
         if not d: continue
-        sc.seq.token_ids += d; sc.num_new_tokens += len(d); sc.kind = "spec"
+        sc.draft_tokens, sc.kind = list(d), "spec"               # drafts live on the step's entry, not in token_ids
+        sc.num_new_tokens += len(d)
         sc.seq.draft_q = q; out[sc.seq.seq_id] = d
     plan.spec = self.last
     return out
-SpecDecoder.propose = propose
 
+@patch
 def after_forward(self: SpecDecoder, engine):
     "Keep the draft model's cache in step with the target's."
     if self.proposer is not None: self.proposer.mirror(engine.runner.last_inputs)
-SpecDecoder.after_forward = after_forward
 
+@patch
 def verify(self: SpecDecoder, engine, seq, logits, drafts):
     "The tokens kept from `drafts` given the target's `logits [len(drafts)+1, V]`, counted in the metrics."
     p = seq.params
@@ -218,15 +220,14 @@ def verify(self: SpecDecoder, engine, seq, logits, drafts):
     self.last[seq.seq_id] = dict(proposed=list(drafts), num_accepted=a, bonus=kept[-1])
     seq.draft_q = None
     return kept
-SpecDecoder.verify = verify
 
+@patch
 def metrics(self: SpecDecoder):
     "vLLM's speculative-decoding counters, and acceptance per draft position."
     return dict(spec_num_draft_tokens=self.num_drafts, spec_num_accepted_tokens=self.num_accepted,
                 spec_acceptance_rate=self.num_accepted/self.num_drafts if self.num_drafts else 0.0,
                 spec_mean_accepted_length=1 + self.num_accepted/self.num_verify if self.num_verify else 0.0,
                 spec_acceptance_per_position=[a/n if n else 0.0 for a, n in zip(self.accepted_at, self.proposed_at)])
-SpecDecoder.metrics = metrics
 
 # %% ../nbs/07_speculative.ipynb #2ef3d054
 def plot_speculation(steps, decode=None, max_steps=12):

@@ -1,0 +1,247 @@
+#!/usr/bin/env python3
+"""The lessons' questions, as data: opening lines, "predict, then step" questions and questionnaires, and `apply`.
+
+    python3 tools/lesson_questions.py nbs          # write them into the lesson notebooks (idempotent)
+    python3 tools/lesson_questions.py nbs --check  # exit 1 if a notebook would change
+
+Each predict question is placed after an existing cell, named by a short unique substring of its source (`after`);
+its answer is a collapsed `<details>` block, which renders folded in Jupyter and on the docs site. The questionnaire
+closes the lesson; its answers are in `16_puzzle_solutions`. Cells are found again by their ids, so running `apply`
+twice changes nothing.
+"""
+import json, sys
+from pathlib import Path
+
+# Measured with `nbdev-test nbs/<lesson>.ipynb`, one notebook at a time, on a 2-core AMD EPYC machine with 24 GiB
+# that other jobs shared at the time (so these are upper bounds); peak memory from `/usr/bin/time -v`.
+OPENINGS = {
+    "00_kv_cache": ("how many bytes one token's K/V costs, why a cache beats recomputing, and how much a contiguous "
+                    "per-request reservation wastes", "Python and PyTorch basics; a CPU is enough"),
+    "01_model": ("a Llama-family forward pass (SmolLM2, Llama, Mistral, Qwen) that loads Hugging Face weights and calls "
+                 "a pluggable attention backend", "`00_kv_cache`; a CPU is enough"),
+    "02_block_manager": ("paged KV memory: blocks, the free queue, block tables, slot mapping, reference counts and "
+                         "fork with copy-on-write", "`00_kv_cache`; no model, no GPU"),
+    "03_prefix_cache": ("hash chains over full blocks, the longest cached prefix, LRU eviction and the hit rate",
+                        "`02_block_manager`; no model, no GPU"),
+    "04_paged_attention": ("what paged attention computes, a torch reference, then Triton kernels: KV store, decode over "
+                           "pages with an online softmax, split-K", "`02_block_manager`; a GPU, or Triton's interpreter on a CPU"),
+    "04a_cpu_attention": ("the CPU fast path: a C++ paged kernel that reads pages in place", "`04_paged_attention`; a C++ compiler"),
+    "04b_cpu_ops": ("fused layer operations and packed weights for the CPU", "`04a_cpu_attention`; a C++ compiler"),
+    "05_scheduler": ("continuous batching under a token budget, chunked prefill and preemption by recompute",
+                     "`02_block_manager`, `03_prefix_cache`; no model, no GPU"),
+    "06_runner": ("how a step plan becomes flat tensors (positions, slot mapping, block tables) and how many KV pages fit",
+                  "`04_paged_attention`, `05_scheduler`"),
+    "06a_sampling": ("`SamplingParams` and the batched sampler: temperature, top-p, top-k, min-p, seeds",
+                     "`01_model`; a CPU is enough"),
+    "06b_engine": ("vLLM's `LLM` API over the paged engine, token-identical to Hugging Face `generate`, with prefix "
+                   "caching, streaming and preemption on the real model", "`05_scheduler`, `06_runner`, `06a_sampling`"),
+    "07_speculative": ("n-gram and draft-model speculation, and why greedy and rejection-sampled verification are exact",
+                       "`06b_engine`"),
+    "08_trace": ("the recorded trace of every engine step, the data the widgets draw", "`06b_engine`"),
+    "08a_widgets": ("stepping through the real engine: the memory map, the batch, the queues, step by step",
+                    "`08_trace`; Jupyter or the docs site"),
+    "09_benchmarks": ("throughput, memory and latency beside Hugging Face, vLLM and GuideLLM, measured side by side",
+                      "`06b_engine`; optional peers in their own environments"),
+    "10_serve": ("an OpenAI-compatible server (`vllm serve`) over the engine", "`06b_engine`"),
+    "11_cli": ("the command line", "`10_serve`"),
+}
+TIMES = {
+    '00_kv_cache': 'runs in 7 min 6 s (peak 1.6 GiB) on a shared 2-core CPU',
+    '01_model': 'runs in 1 min 12 s (peak 1.5 GiB) on a shared 2-core CPU',
+    '02_block_manager': 'runs in 15 s (peak 1.5 GiB) on a shared 2-core CPU',
+    '03_prefix_cache': 'runs in 15 s (peak 1.5 GiB) on a shared 2-core CPU',
+    '04_paged_attention': 'runs in 4 s (peak 0.5 GiB) on a shared 2-core CPU',
+    '04a_cpu_attention': 'runs in 7 s (peak 0.9 GiB) on a shared 2-core CPU',
+    '04b_cpu_ops': 'runs in 4 s (peak 0.7 GiB) on a shared 2-core CPU',
+    '05_scheduler': 'runs in 11 s (peak 1.5 GiB) on a shared 2-core CPU',
+    '06_runner': 'runs in 2 s (peak 0.3 GiB) on a shared 2-core CPU',
+    '06a_sampling': 'runs in 5 s (peak 0.3 GiB) on a shared 2-core CPU',
+    '06b_engine': 'runs in 1 min 9 s (peak 3.5 GiB) on a shared 2-core CPU',
+    '07_speculative': 'runs in 1 min 7 s (peak 1.6 GiB) on a shared 2-core CPU',
+    '08_trace': 'runs in 22 s (peak 1.5 GiB) on a shared 2-core CPU',
+    '08a_widgets': 'runs in 30 s (peak 1.5 GiB) on a shared 2-core CPU',
+    '09_benchmarks': 'runs in 4 min 6 s (peak 1.8 GiB) on a shared 2-core CPU',
+    '10_serve': 'runs in 12 s (peak 1.5 GiB) on a shared 2-core CPU',
+    '11_cli': 'runs in 38 s (peak 1.5 GiB) on a shared 2-core CPU',
+}
+
+QUESTIONNAIRES = {
+    "00_kv_cache": [
+        ("Write the formula for the bytes of K/V one token takes, and say what grouped-query attention changes in it.",
+         "`2 * num_layers * num_kv_heads * head_dim * dtype_bytes`. Grouped-query attention shares each KV head among "
+         "several query heads, so `num_kv_heads` (3 for SmolLM2, 8 for Llama-3-8B) is smaller than the query heads."),
+        ("Why does a decode step with a KV cache cost about the same at token 50 as at token 500, when recomputing does not?",
+         "With the cache a step computes one token's projections and MLP, and only reads the cached K/V; recomputing "
+         "redoes every earlier token's forward too, so its cost grows with the length."),
+        ("What are the three losses of a contiguous per-request reservation?",
+         "Internal fragmentation (slots reserved to `max_model_len` that the request never fills), reservation (slots "
+         "held now for tokens generated later), and external fragmentation (free gaps between slabs too small for a new request)."),
+        ("If a workload's requests use on average a quarter of `max_model_len`, what fraction of a contiguous cache is wasted?",
+         "About three quarters: waste is `1 - used / (requests * max_model_len)`."),
+        ("Why can the KV budget grow faster than 2x when weights go from 16-bit to 8-bit?",
+         "The weights shrink too, so more memory is left for the cache, and each token needs half the bytes."),
+    ],
+    "02_block_manager": [
+        ("What is a slot, and how do you get it from a position and a block table?",
+         "A slot is one token's place in the flat cache: `block_table[pos // block_size] * block_size + pos % block_size`."),
+        ("What does a block's reference count count, and when does a block go back to the free queue?",
+         "The number of block tables that hold it; at 0 it is free (at the front of the queue, so it is reused first)."),
+        ("After `fork`, which writes need a copy, and which block is copied?",
+         "A write into a block whose ref count is above 1: that block is replaced by a fresh one, and copied only if it "
+         "already holds computed K/V (usually the partly filled last block). Full blocks nobody writes stay shared."),
+        ("Why is `allocate` all or nothing?",
+         "So that a failed allocation leaves no half-grown block table: the scheduler can then preempt and retry "
+         "without leaking blocks."),
+        ("What does paging leave of the three losses of contiguous reservation?",
+         "Only internal fragmentation inside each sequence's last block, less than one block per sequence; no "
+         "reservation ahead, and no external fragmentation since any free block will do."),
+    ],
+    "03_prefix_cache": [
+        ("Why does a block's hash include its parent's hash?",
+         "So a hash names the whole prefix up to that block, not only its tokens: the same 16 tokens after a different "
+         "history have different K/V, and must not be found."),
+        ("Why are only full blocks hashed?",
+         "A partly filled block still changes as tokens are appended; only a full block's content is final."),
+        ("Why can a prompt that is entirely cached still not be served from the cache alone?",
+         "The last prompt token must be computed to produce the logits of the first output token, so at most "
+         "`(num_tokens - 1) // block_size` blocks are hits."),
+        ("Which cached block is evicted first, and why is that a good choice?",
+         "The least recently used of the cached blocks nobody holds; since blocks are freed tail first, chain tails go "
+         "before the shared heads, which later requests need most."),
+        ("What does `cache_salt` protect against?",
+         "One tenant learning, through cache hits and their timing, that another tenant sent the same prefix: "
+         "different salts give different hash chains."),
+    ],
+    "05_scheduler": [
+        ("What does `max_num_batched_tokens` limit, and what is traded when you lower it?",
+         "The tokens one step computes. Lower: shorter steps, so decodes (inter-token latency) wait less behind long "
+         "prompts, but prompts take more steps, so time to first token and throughput can suffer."),
+        ("Why are decodes scheduled before prompt chunks?",
+         "Each decode is one token for a user already waiting; putting them first keeps inter-token latency steady "
+         "while prompts fill the rest of the budget (chunked prefill, Sarathi-Serve)."),
+        ("Which sequence is preempted when pages run out, and what happens to it?",
+         "The newest-arriving running sequence not yet scheduled this step: all its pages are freed and it goes to "
+         "the front of the waiting queue, to be recomputed from its tokens."),
+        ("What does preemption by recompute cost, and when does prefix caching reduce it?",
+         "The preempted sequence's computed tokens are computed again; with prefix caching its full blocks may still be "
+         "cached when it returns, so they are hits, not recomputed."),
+        ("Why does the scheduler admit no new sequence in a step that preempted one?",
+         "Memory is short: admitting new work would only cause more preemptions; the preempted sequence is first in line."),
+    ],
+    "06b_engine": [
+        ("Which knobs of vLLM's `LLM` does the engine take, and what do they change?",
+         "`block_size`, `gpu_memory_utilization` (or a KV budget in bytes on CPU), `enable_prefix_caching`, "
+         "`enable_chunked_prefill`, `max_num_batched_tokens`, `max_num_seqs`, `max_model_len`, `speculative_config`: "
+         "page size, pool size, sharing, step size, concurrency, the longest request, speculation."),
+        ("How is the engine checked to be correct?",
+         "Greedy outputs are token-identical to Hugging Face `generate` on the same weights, with every feature on or off."),
+        ("What do `num_cached_tokens` and the prefix-cache hit rate tell you about a workload?",
+         "How much of each prompt was served from shared pages instead of computed: high for shared system prompts."),
+        ("Why does a seeded request give the same samples whatever else runs in the batch?",
+         "Each request samples with its own generator, seeded from its `seed`, so batch composition does not change its draws."),
+        ("What does the engine do with a request that fails in a step?",
+         "It confines the failure to that request (it finishes with an error) and keeps serving the others."),
+    ],
+    "07_speculative": [
+        ("Why can verifying k draft tokens cost about as much as decoding one?",
+         "Decode is bound by reading the weights and the KV cache; scoring k+1 tokens in one forward reads them once."),
+        ("Why is greedy verification exact?",
+         "It keeps exactly the tokens the target would have chosen greedily: the matching drafts, then the target's own token."),
+        ("State the rejection-sampling rule and why it preserves the target distribution.",
+         "Accept draft d with probability `min(1, p(d)/q(d))`; on rejection sample from `max(0, p - q)` normalised. The "
+         "accepted mass `min(p, q)` plus the residual sum to exactly `p` (Leviathan et al. 2023; Chen et al. 2023)."),
+        ("When does n-gram (prompt-lookup) speculation help, and when does it not?",
+         "When the output copies the input (rewriting, code edits, extraction); on free-form chat it rarely proposes "
+         "and then costs little but gains little."),
+        ("How would you test that a sampler keeps the target distribution?",
+         "Draw many first tokens at a fixed seed and compare the histogram with the target probabilities by a "
+         "chi-square test, which a wrong sampler fails."),
+    ],
+    "08a_widgets": [
+        ("What does each panel of the stepper show?",
+         "The memory map (every page: owner, shared, free, cached), the batch (tokens per sequence in the step against "
+         "the budget) and the queues (running, waiting, preempted)."),
+        ("Where does the stepper get its data, and why does it match the engine?",
+         "From a trace recorded from the real engine at every step; a test compares each panel with the engine's own "
+         "state at that step."),
+        ("Which knob would you turn live to show preemption, and what would you expect to see?",
+         "Lower the number of pages (`num_gpu_blocks_override`): sequences are sent back to waiting and their pages turn free."),
+        ("How does the contiguous-versus-paged view make the waste of reservation visible?",
+         "It draws, at each step, what contiguous slabs of `max_model_len` would reserve beside the pages actually used."),
+        ("What does prefix sharing look like on the memory map?",
+         "Several block tables point at the same pages, drawn as shared, with ref counts above 1."),
+    ],
+}
+
+SOLUTION_NOTES = {}   # puzzle name -> a short note shown above its solution in 16_puzzle_solutions
+
+def _src(cell): return "".join(cell["source"])
+
+def _md(cid, text):
+    return dict(cell_type="markdown", id=cid, metadata={}, source=text.strip("\n").splitlines(True))
+
+def predict_text(q):
+    "A predict question's markdown: the question, then its answer folded."
+    return f"{q['q']}\n\n<details><summary>Answer</summary>\n\n{q['a']}\n\n</details>"
+
+def opening_text(lesson):
+    "The three opening lines of a lesson."
+    learn, needs = OPENINGS[lesson]
+    took = TIMES.get(lesson, "not measured yet")
+    return (f"**What you will learn:** {learn}.  \n**What it needs:** {needs}.  \n"
+            f"**How long it takes:** it {took}; allow 15 to 30 minutes to read it and answer its questions.")
+
+def questionnaire_text(lesson):
+    qs = "\n".join(f"{i}. {q}" for i, (q, _) in enumerate(QUESTIONNAIRES[lesson], 1))
+    return f"## Questionnaire\n\nAnswer these without looking back; the answers are in `16_puzzle_solutions`.\n\n{qs}"
+
+def _put(cells, cell, at):
+    "Replace the cell with `cell`'s id where it is, else insert it at index `at`; True if anything changed."
+    old = next((i for i, c in enumerate(cells) if c.get("id") == cell["id"]), None)
+    if old is None:
+        cells.insert(at, cell)
+        return True
+    changed = cells[old]["source"] != cell["source"]
+    cells[old]["source"] = cell["source"]
+    return changed
+
+def _anchor(cells, needle):
+    "Index of the one cell whose source contains `needle` (not one of ours), or None."
+    hits = [i for i, c in enumerate(cells) if needle in _src(c) and not str(c.get("id", "")).startswith("lq-")]
+    return hits[0] if len(hits) == 1 else None
+
+def apply_one(path: Path, lesson: str) -> dict:
+    "Write a lesson's opening lines, predict questions and questionnaire into its notebook; what changed and what was missing."
+    nb = json.loads(path.read_text())
+    cells, changed, missing = nb["cells"], False, []
+    setup = next((i for i, c in enumerate(cells) if c.get("id") == "colab-setup"), 0)
+    changed |= _put(cells, _md("lq-opening", opening_text(lesson)), setup + 1)
+    for k, q in enumerate(PREDICT.get(lesson, [])):
+        cid = f"lq-predict-{k}"
+        i = _anchor(cells, q["after"])
+        if i is None and not any(c.get("id") == cid for c in cells):
+            missing.append(q["after"])
+            continue
+        changed |= _put(cells, _md(cid, predict_text(q)), (i if i is not None else len(cells)) + 1)
+    if lesson in QUESTIONNAIRES: changed |= _put(cells, _md("lq-questionnaire", questionnaire_text(lesson)), len(cells))
+    if changed: path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n")
+    return dict(changed=changed, missing_anchors=missing)
+
+def apply(nbs_dir="nbs", lessons=None) -> dict:
+    "Apply the questions to every lesson notebook under `nbs_dir`; returns `{lesson: report}`. Running it twice changes nothing."
+    out = {}
+    for lesson in lessons or OPENINGS:
+        p = Path(nbs_dir)/f"{lesson}.ipynb"
+        out[lesson] = apply_one(p, lesson) if p.exists() else dict(changed=False, missing_notebook=True)
+    return out
+
+if __name__ == "__main__":
+    import shutil, tempfile
+    nbs = Path(sys.argv[1] if len(sys.argv) > 1 and not sys.argv[1].startswith("-") else "nbs")
+    if "--check" in sys.argv:
+        tmp = Path(tempfile.mkdtemp())
+        for p in nbs.glob("*.ipynb"): shutil.copy(p, tmp/p.name)
+        rep = apply(tmp)
+        print(json.dumps(rep, indent=1))
+        sys.exit(1 if any(r.get("changed") for r in rep.values()) else 0)
+    print(json.dumps(apply(nbs), indent=1))
