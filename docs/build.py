@@ -442,8 +442,13 @@ def readme_markdown(site: Site) -> str:
     "README.md with its links into the repository made to work from the site."
     return site.lesson_names(site.repo_links((ROOT/"README.md").read_text(encoding="utf-8"), ""))
 
+def course_markdown(site: Site) -> str:
+    "COURSE.md (the course map: paths, times, agendas, instructor notes) as a page of the site."
+    return site.lesson_names(site.repo_links((ROOT/"COURSE.md").read_text(encoding="utf-8"), ""))
+
 def index_markdown(lessons, api_rows) -> str:
     lines = ["```{include} _includes/README.md\n```\n",
+             "```{toctree}\n:caption: Course\n:maxdepth: 1\n\ncourse\n```\n",
              "```{toctree}\n:caption: Lessons\n:maxdepth: 1\n"] + [f"{p}\n" for p in lessons] + ["```\n",
              "```{toctree}\n:caption: Reference\n:maxdepth: 1\n\napi/index\n```\n"]
     return "\n".join(lines)
@@ -549,6 +554,7 @@ def build(force=False, only=(), nbs=None, out=None, build_dir=None, jobs=None, s
     for name, text in api.items(): _write(src/"api"/f"{name}.md", text); keep.add(f"api/{name}.md")
     _write(src/"api"/"index.md", api_index_markdown(api_rows)); keep.add("api/index.md")
     _write(src/"_includes"/"README.md", readme_markdown(site))
+    _write(src/"course.md", course_markdown(site)); keep.add("course.md")
     _write(src/"index.md", index_markdown(lessons, api_rows)); keep.add("index.md")
     (src/"_static").mkdir(parents=True, exist_ok=True)
     shutil.copy2(DOCS/"_static"/"colab-badge.svg", src/"_static"/"colab-badge.svg")

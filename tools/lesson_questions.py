@@ -45,24 +45,144 @@ OPENINGS = {
     "10_serve": ("an OpenAI-compatible server (`vllm serve`) over the engine", "`06b_engine`"),
     "11_cli": ("the command line", "`10_serve`"),
 }
-TIMES = {
-    '00_kv_cache': 'runs in 7 min 6 s (peak 1.6 GiB) on a shared 2-core CPU',
-    '01_model': 'runs in 1 min 12 s (peak 1.5 GiB) on a shared 2-core CPU',
-    '02_block_manager': 'runs in 15 s (peak 1.5 GiB) on a shared 2-core CPU',
-    '03_prefix_cache': 'runs in 15 s (peak 1.5 GiB) on a shared 2-core CPU',
-    '04_paged_attention': 'runs in 4 s (peak 0.5 GiB) on a shared 2-core CPU',
-    '04a_cpu_attention': 'runs in 7 s (peak 0.9 GiB) on a shared 2-core CPU',
-    '04b_cpu_ops': 'runs in 4 s (peak 0.7 GiB) on a shared 2-core CPU',
-    '05_scheduler': 'runs in 11 s (peak 1.5 GiB) on a shared 2-core CPU',
-    '06_runner': 'runs in 2 s (peak 0.3 GiB) on a shared 2-core CPU',
-    '06a_sampling': 'runs in 5 s (peak 0.3 GiB) on a shared 2-core CPU',
-    '06b_engine': 'runs in 1 min 9 s (peak 3.5 GiB) on a shared 2-core CPU',
-    '07_speculative': 'runs in 1 min 7 s (peak 1.6 GiB) on a shared 2-core CPU',
-    '08_trace': 'runs in 22 s (peak 1.5 GiB) on a shared 2-core CPU',
-    '08a_widgets': 'runs in 30 s (peak 1.5 GiB) on a shared 2-core CPU',
-    '09_benchmarks': 'runs in 4 min 6 s (peak 1.8 GiB) on a shared 2-core CPU',
-    '10_serve': 'runs in 12 s (peak 1.5 GiB) on a shared 2-core CPU',
-    '11_cli': 'runs in 38 s (peak 1.5 GiB) on a shared 2-core CPU',
+TIMES = {   # `python3 bootstrap.py test`: each lesson under nbdev-test, two at a time, on a 2-core CPU (AMD EPYC)
+    '00_kv_cache': 'runs in 1 min 32 s (peak 1.6 GiB) on a 2-core CPU',
+    '01_model': 'runs in 24 s (peak 1.5 GiB) on a 2-core CPU',
+    '02_block_manager': 'runs in 17 s (peak 1.5 GiB) on a 2-core CPU',
+    '03_prefix_cache': 'runs in 21 s (peak 1.5 GiB) on a 2-core CPU',
+    '04_paged_attention': 'runs in 16 s (peak 0.5 GiB) on a 2-core CPU',
+    '04a_cpu_attention': 'runs in 25 s (peak 0.9 GiB) on a 2-core CPU',
+    '04b_cpu_ops': 'runs in 12 s (peak 0.7 GiB) on a 2-core CPU',
+    '05_scheduler': 'runs in 28 s (peak 1.5 GiB) on a 2-core CPU',
+    '06_runner': 'runs in 6 s (peak 0.3 GiB) on a 2-core CPU',
+    '06a_sampling': 'runs in 9 s (peak 0.3 GiB) on a 2-core CPU',
+    '06b_engine': 'runs in 1 min 25 s (peak 1.6 GiB) on a 2-core CPU',
+    '07_speculative': 'runs in 42 s (peak 1.6 GiB) on a 2-core CPU',
+    '08_trace': 'runs in 42 s (peak 1.5 GiB) on a 2-core CPU',
+    '08a_widgets': 'runs in 1 min 38 s (peak 1.4 GiB) on a 2-core CPU',
+    '09_benchmarks': 'runs in 2 min 37 s (peak 1.9 GiB) on a 2-core CPU',
+    '10_serve': 'runs in 55 s (peak 1.5 GiB) on a 2-core CPU',
+    '11_cli': 'runs in 38 s (peak 1.5 GiB) on a 2-core CPU',
+}
+
+PREDICT = {
+    "00_kv_cache": [
+        dict(after="cap = kv_capacity(LLAMA2_13B, 40e9, max_model_len=2048)",
+             q="**Predict:** serve the same LLaMA-2-13B on the same 40 GB in 8-bit (`dtype_bytes=1`). About how many "
+               "more KV tokens fit: twice as many, or more?",
+             a="About 3.9 times as many (65,917 tokens against 17,089). Halving the bytes does two things: the weights "
+               "shrink from 26 GB to 13 GB, so the KV budget grows from 14 GB to 27 GB, *and* each token's K/V halves "
+               "to 400 KiB. Run `kv_capacity(LLAMA2_13B, 40e9, dtype_bytes=1, max_model_len=2048)` to see it."),
+        dict(after="test_close(contiguous_waste([(200, 300)]*10, 2048), 1 - 500/2048)",
+             q="**Predict:** the same ten requests of 200 + 300 tokens, but the server raises `max_model_len` to 4096. "
+               "What fraction of the reserved slots is wasted now?",
+             a="87.8% (`1 - 500/4096`), up from 75.6%. A contiguous reservation wastes more the longer the longest "
+               "allowed request, whatever the requests actually use: that is the knob paging removes."),
+        dict(after="pos = [len(prompt) + i for i in range(n_new)]",
+             q="**Predict** before looking at the plot: without a cache, how does the time for each new token change "
+               "as the sequence grows? And with the cache?",
+             a="Without a cache every step recomputes the whole sequence, so the time per token grows roughly in "
+               "proportion to its length. With the cache a step computes one token and reads the cached K/V: the "
+               "time stays nearly flat (it grows only with the attention read, which is small at these lengths)."),
+    ],
+    "02_block_manager": [
+        dict(after="a.num_computed_tokens = 10",
+             q="**Predict, then step:** `a` has 10 tokens in blocks of 4, so 3 blocks, the last holding 2. It decodes "
+               "three more tokens. At which of the three does it take a new block, and which block?",
+             a="At the third (position 12): positions 10 and 11 fill block 2, position 12 is the first of a fourth "
+               "block, block 3, the front of the free queue."),
+        dict(after="bm.fork(a, c)",
+             q="**Predict:** after `fork`, `c` shares all four of `a`'s blocks (each ref count 2). `c` writes one token "
+               "at position 13. Which block is copied, and how many blocks does the pool give out?",
+             a="Only block 3, the partly filled last block that position 13 falls into: it is copied into a fresh "
+               "block 4 (`copies == [(3, 4)]`), one block from the pool. Blocks 0 to 2 stay shared, nobody writes them; "
+               "afterwards block 3 belongs to `a` alone, so `a`'s next write copies nothing."),
+        dict(after="test_eq(bm.slot_mapping(a, 10, 13), [10, 11, 12])",
+             q="**Predict:** a sequence with block table `[5, 1]` and block size 4. What are the slots of its positions "
+               "3, 4 and 5?",
+             a="`[23, 4, 5]`: position 3 is offset 3 of block 5 (`5*4 + 3`); positions 4 and 5 are offsets 0 and 1 of "
+               "block 1. Neighbouring positions need not be neighbouring slots."),
+    ],
+    "03_prefix_cache": [
+        dict(after="plot_memory_map(bm, cols=8)",
+             q="**Predict:** a third request's prompt is exactly the first 8 tokens of the system prompt: 2 full "
+               "blocks, both cached. How many blocks will it get from the cache?",
+             a="One. The last prompt token must always be computed to get the logits of the first output token, so "
+               "at most `(8 - 1) // 4 = 1` block can be a hit; the second block is computed again."),
+        dict(after="bm.deallocate(b)",
+             q="**Predict:** both requests are done, all their blocks are cached-free. A new request needs one block "
+               "and no plain free block is left. Which block is evicted, and why that one?",
+             a="Block 2, the first in `cached_free`: least recently used. `deallocate` frees a sequence's blocks tail "
+               "first, so the tails of a hash chain are evicted before its head, and a shared prefix, needed by "
+               "every later request, survives longest."),
+        dict(after="system = [rng.randrange(1000, 50000) for _ in range(256)]",
+             q="**Predict** before running: 200 requests share a 256-token system prompt and add 20 to 200 tokens of "
+               "their own. What hit rate do you expect? And with `block_size=64` instead of 16?",
+             a="About 68%: every request after the first finds the 256 shared tokens, which are about two thirds of "
+               "its prompt (256 of 256 + 110 on average). With block size 64 the hit rate is the same, because 256 is "
+               "a multiple of 64; a prefix of 250 tokens would lose the partial block at either size."),
+    ],
+    "05_scheduler": [
+        dict(after="def seqs_of(lens, start=0):",
+             q="**Predict, then step:** three prompts of 50, 10 and 20 tokens, budget 32. What does step 1 run? And "
+               "if `max_num_batched_tokens` were 16, how many steps would the whole run take instead of 6?",
+             a="Step 1 is `0:p18 1:p10 2:p4`: the rest of prompt 0, all of prompt 1, and a first chunk of 4 tokens "
+               "of prompt 2, exactly 32 tokens. With a budget of 16, prompt 0 alone takes 4 steps of prefill and the "
+               "run takes 9 steps: a smaller budget means shorter steps (lower latency for decodes) but more of them."),
+        dict(after="make_block_manager(16, 4, enable_prefix_caching=False, watermark=0))\nplans = simulate(sched, seqs_of([12]*6)",
+             q="**Predict:** six 12-token prompts each grow by 20 tokens in a pool of 16 blocks of 4. Which sequence is "
+               "preempted first, and how many blocks come back?",
+             a="Sequence 4 at step 1, giving back its 3 blocks (its 12 computed tokens must be computed again later). "
+               "The victim is always the newest-arriving running sequence not yet scheduled in this step, so the "
+               "oldest requests keep making progress. With 24 blocks there are 3 preemptions instead of 5."),
+        dict(after="ready = sched.update(plan)",
+             q="**Predict:** in the next step, which runs first: the decode of sequence 0 or the rest of sequence 1's "
+               "prompt? Why?",
+             a="The decode of sequence 0. Decodes go first: each needs one token of the budget and a user is waiting "
+               "for it; prompt chunks take what is left (chunked prefill, as in Sarathi-Serve)."),
+    ],
+    "06b_engine": [
+        dict(after="system = (\"You are a patient teacher",
+             q="**Predict:** the first request warms the cache with the system prompt; seven more share it. What will "
+               "`num_cached_tokens` be for each of the seven?",
+             a="The system prompt's tokens rounded down to whole blocks of 16 (the chat template's shared prefix, in "
+               "full blocks): the same number for all seven, each prompt's own question is computed. The hit rate is "
+               "below that share because the first request's prompt counts as queried too."),
+        dict(after="num_gpu_blocks_override=12, max_model_len=192, enable_prefix_caching=False",
+             q="**Predict:** 12 pages of 16 tokens for 6 requests of 40 prompt tokens that each generate 24. Will any be "
+               "preempted? Will the output of the preempted ones change?",
+             a="Yes: 6 requests of 64 tokens need 4 pages each at the end, 24 pages, twice the pool. The newest running "
+               "requests are preempted and recomputed later. Their greedy output does not change: recompute gives the "
+               "same K/V, which the test against a request run alone checks."),
+    ],
+    "07_speculative": [
+        dict(after="toks = [5, 6, 7, 8, 9, 1, 2, 5, 6, 7]",
+             q="**Predict:** what does `ngram_propose(toks + [8], 3)` propose?",
+             a="`[9, 1, 2]`: the last 4 tokens `5 6 7 8` (the longest n-gram tried, `prompt_lookup_max=4`) occurred at "
+               "the start, followed by `9 1 2`."),
+        dict(after="test_eq(greedy_accept([8, 9, 4, 0], [8, 9, 1]), [8, 9, 4])",
+             q="**Predict:** `greedy_accept([8, 9, 1, 0], [8, 9, 1])`?",
+             a="`[8, 9, 1, 0]`: all three drafts match, and the target's token after the last draft comes free: one "
+               "forward, four tokens."),
+        dict(after="draft = LLM(parts, **budget",
+             q="**Predict:** raise `num_speculative_tokens` from 3 to 8 on this input-grounded request. Does the "
+               "acceptance rate go up or down? The tokens per step?",
+             a="The acceptance rate (accepted / proposed) goes down: later draft positions are accepted less often, "
+               "each needs all before it. Tokens per verify step go up a little, while each step costs more compute; "
+               "on a CPU, where a forward over more tokens costs more, the speed-up can shrink."),
+    ],
+    "08a_widgets": [
+        dict(after="knobs = dict(block_size=4, num_gpu_blocks_override=12",
+             q="**Predict** before stepping: four prompts in 12 pages of 4 tokens, a budget of 16 tokens a step. What "
+               "does step 0 run, and will there be preemptions?",
+             a="Step 0 is one 16-token chunk of the first prompt (the budget, chunked prefill). The prompts are longer "
+               "than 12 pages can hold all at once, so yes: watch the queues panel for sequences sent back to waiting, "
+               "and the map for their pages turning free."),
+        dict(after="cvp = contiguous_vs_paged(tr)",
+             q="**Predict:** at the busiest step, how many of the contiguous reservations would fit in this pool?",
+             a="Fewer than run in the paged engine: each contiguous reservation is `max_model_len = 48` tokens, 12 "
+               "pages, the whole pool, while paged sequences hold only the pages they fill."),
+    ],
 }
 
 QUESTIONNAIRES = {
