@@ -51,7 +51,7 @@ class EngineDeadError(RuntimeError):
 def check_vllm_only(**knobs):
     "Raise `NotImplementedError` for a vLLM knob at a value that only vLLM serves."
     for k, v in knobs.items():
-        if v != VLLM_ONLY[k] and not (k == "cpu_offload_gb" and v == 0):
+        if v != VLLM_ONLY[k]:
             raise NotImplementedError(f"{k}={v!r}: pagednb runs one unquantized model on one device ({k}="
                                       f"{VLLM_ONLY[k]!r}); run this on vLLM: `from vllm import LLM` takes {k}={v!r}")
 
@@ -288,6 +288,11 @@ def _fork_children(self: LLMEngine, seq):
         self._forked.append(child)
     return kids
 
+@patch(as_prop=True)
+def _decode_one(self: LLMEngine):
+    "How a `Logprob`'s `decoded_token` is made: the token decoded alone (None without a tokenizer)."
+    return (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else None
+
 @patch
 def _token_logprobs(self: LLMEngine, raw, seqs, toks):
     "`{seq: dict[int, Logprob]}` for the rows of `seqs` that asked for logprobs, from raw logits `raw`."
@@ -295,8 +300,7 @@ def _token_logprobs(self: LLMEngine, raw, seqs, toks):
     if not want: return {}
     lp = raw[torch.tensor(want, device=raw.device)].float().log_softmax(-1)
     nums = [seqs[i].params.logprobs for i in want]
-    decode = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else None
-    entries = token_logprobs(lp, [toks[i] for i in want], nums, decode)
+    entries = token_logprobs(lp, [toks[i] for i in want], nums, self._decode_one)
     return {seqs[i]: e for i, e in zip(want, entries)}
 
 # %% ../nbs/06b_engine.ipynb #b44a977b
@@ -316,7 +320,9 @@ def _sample_rows(self: LLMEngine, rows, logits):
     params = [s.params for s in seqs]
     keep_raw = any(s.params.logprobs is not None for s in seqs)
     lg = self._mask_min_tokens(raw.clone() if keep_raw else raw, seqs)
-    lg = process_logits(lg, params, [s.token_ids[:s.num_prompt_tokens] for s in seqs], [s.request.output_ids(s) for s in seqs])
+    if any(p.processes_logits for p in params):                      # penalties need every row's tokens: copy them only then
+        lg = process_logits(lg, params, [s.token_ids[:s.num_prompt_tokens] for s in seqs],
+                            [s.request.output_ids(s) for s in seqs])
     toks = sample(lg, params, [s.generator for s in seqs], self.generator).tolist()
     lps = self._token_logprobs(raw, seqs, toks)
     return {s: ([t], [lps[s]] if s in lps else None) for s, t in zip(seqs, toks)}
@@ -450,8 +456,7 @@ def _prompt_logprobs(self: LLMEngine, plan, hidden):
             first = max(sc.start, len(req.prompt_logprobs) - 1)           # a recomputed prompt is not counted twice
             lp = self.runner.logits(hidden, range(start + first - sc.start, start + stop - sc.start)).log_softmax(-1)
             nums = [req.params.prompt_logprobs] * len(lp)
-            decode = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else None
-            out[req] = token_logprobs(lp, req.prompt_token_ids[first + 1:stop + 1], nums, decode)
+            out[req] = token_logprobs(lp, req.prompt_token_ids[first + 1:stop + 1], nums, self._decode_one)
         start += n
     return out
 
@@ -599,11 +604,11 @@ def get_default_sampling_params(self: LLM) -> SamplingParams:
 
 @patch
 def reset_prefix_cache(self: LLM) -> bool:
-    "Forget every cached page that no request holds; True when nothing cached is left (vLLM's answer)."
+    "Forget every cached page that no request holds; False, as vLLM answers, while running requests still hold some."
     bm = self.engine.block_manager
     if not getattr(bm, "enable_prefix_caching", False): return True
     bm.reset_prefix_cache()
-    return bm.num_cached_free_blocks == 0
+    return not bm.hash_to_block
 
 @patch
 def _add_all(self: LLM, prompts, sampling_params):

@@ -236,8 +236,7 @@ def _processes(p):
     "Whether `p` asks `process_logits` for anything (bad words must have been resolved)."
     if p.bad_words and p.bad_words_token_ids is None:
         raise _bad("bad_words", p.bad_words, "call resolve_bad_words(tokenizer) before sampling")
-    return bool(p.logit_bias or p.allowed_token_ids or p.bad_words_token_ids or p.repetition_penalty != 1
-                or p.presence_penalty or p.frequency_penalty)
+    return p.processes_logits
 
 # %% ../nbs/06a_sampling.ipynb #21b65fbe
 def process_logits(logits, params, prompt_ids, output_ids):

@@ -114,6 +114,12 @@ def test_reset_prefix_cache(llm):
     llm.generate([[7] * 100], GREEDY, use_tqdm=False)
     assert llm.engine.block_manager.num_cached_free_blocks > 0
     assert llm.reset_prefix_cache() and llm.engine.block_manager.num_cached_free_blocks == 0
+    e = llm.engine
+    e.add_request("held", [9] * 100, SamplingParams(temperature=0, max_tokens=4))
+    e.step()                                                            # its full prompt pages are registered, and held
+    assert not llm.reset_prefix_cache()                                 # vLLM's answer while pages are in use
+    while e.has_unfinished_requests(): e.step()
+    assert llm.reset_prefix_cache() and all_free(llm)
 
 # --- bad input offline: validated whole, before anything is queued --------------------------------------------
 
