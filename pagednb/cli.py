@@ -60,7 +60,7 @@ def demo(prompts=None, max_tokens=64, model=None, out=sys.stdout, system=DEMO_SY
     sp = SamplingParams(temperature=0, max_tokens=max_tokens)
     llm.chat(convs[:1], sp, use_tqdm=False)       # the first request computes the system prompt's pages ...
     t1 = time.perf_counter()
-    outs = llm.chat(convs, sp)                    # ... and the batch of all of them finds them in the prefix cache
+    outs = llm.chat(convs, sp)                    # ... and the whole batch finds them in the prefix cache
     dt = time.perf_counter() - t1
     answers = [o.outputs[0].text.strip() for o in outs]
     for q, a in zip(prompts, answers): print(f"\n>>> {q}\n{a}", file=out)
@@ -116,7 +116,8 @@ _ENGINE_FLAGS = {                                 # flag: add_argument's keyword
     "--gpu-memory-utilization": dict(type=float, default=0.9, help="fraction of GPU memory for weights, "
                                      "activations and the KV cache (default 0.9; GPU only)"),
     "--kv-cache-memory-bytes": dict(type=parse_size, default=None, help="KV cache size in bytes, e.g. 4G or "
-                                    "4GiB (binary), 4g (decimal) (default: from --gpu-memory-utilization on a GPU; "
+                                    "4GiB (binary), 4g (decimal) (default: from --gpu-memory-utilization "
+                                    "on a GPU; "
                                     "min(4GiB, half the free RAM) on a CPU)"),
     "--enable-prefix-caching": dict(_SWITCH, help="share the KV blocks of common prompt prefixes between "
                                     "requests (default on)"),
@@ -125,14 +126,16 @@ _ENGINE_FLAGS = {                                 # flag: add_argument's keyword
     "--max-num-batched-tokens": dict(type=_positive_size, default=None,
                                      help="token budget of one step, e.g. 2048 or 2K (default 2048)"),
     "--max-num-seqs": dict(type=_positive, default=256, help="most sequences in one step (default 256)"),
-    "--max-model-len": dict(type=_model_len, default=None, help="longest prompt + output, in tokens, e.g. 4096, "
+    "--max-model-len": dict(type=_model_len, default=None, help="longest prompt + output, in tokens, "
+    "e.g. 4096, "
                             "32k or 32K; auto or -1 for the model's (default: the model's)"),
     "--speculative-config": dict(type=_json_arg, default=None,
                                  help=f"speculative decoding as JSON, e.g. {_SPEC_EXAMPLE}"),
     "--num-gpu-blocks-override": dict(type=_positive, default=None,
                                       help="use exactly this many KV blocks (testing)"),
     "--dtype": dict(default=None, choices=["auto", "half", "float16", "bfloat16", "float", "float32"],
-                    help="the weights' and activations' dtype; auto: the checkpoint's where the device runs it "
+                    help="the weights' and activations' dtype; auto: the checkpoint's where the device "
+                         "runs it "
                          "natively (default: float32 on a CPU, the best the GPU has)"),
     "--attention-backend": dict(choices=["torch", "triton"], default=None,
                                 help="attention kernels (default: triton on CUDA, torch on CPU)"),
@@ -188,9 +191,11 @@ def _demo_parser(sub):
 
 # %% ../nbs/11_cli.ipynb #a81b58eb
 def _serve_parser(sub):
-    s = sub.add_parser("serve", help="serve the OpenAI API (completions, chat, models, metrics) over the paged "
+    s = sub.add_parser("serve", help="serve the OpenAI API (completions, chat, models, metrics) over the "
+                       "paged "
                        "engine", description="Serve an OpenAI-compatible API over the paged engine: "
-                       "/v1/completions, /v1/chat/completions, /v1/models (streaming with server-sent events), "
+                       "/v1/completions, /v1/chat/completions, /v1/models (streaming with server-sent "
+                       "events), "
                        "/health, and Prometheus /metrics. Flags follow vllm serve.")
     s.add_argument("model", nargs="?", default=None, help=_MODEL_HELP)
     s.add_argument("--host", default="127.0.0.1",
@@ -200,6 +205,10 @@ def _serve_parser(sub):
                    "for any of these keys (default: $VLLM_API_KEY, else no key)")
     s.add_argument("--served-model-name", nargs="+", default=None, help="the model name(s) clients use; the "
                    "first is the one /v1/models lists first (default: MODEL, or SmolLM2-135M-Instruct)")
+    s.add_argument("--disable-frontend-multiprocessing", action="store_true", default=None,
+                   help="run the engine in a thread of the API server's process instead of an engine core "
+                   "process of its own (default: its own process, as vLLM V1 does; "
+                   "VLLM_ENABLE_V1_MULTIPROCESSING=0 also disables it)")
     _serve_limits(s)
     add_engine_args(s)
 
@@ -213,7 +222,8 @@ def _serve_limits(s):
     s.add_argument("--max-logprobs", type=int, default=20,
                    help="most logprobs / top_logprobs a request may ask for (default 20)")
     s.add_argument("--allowed-hosts", nargs="+", default=None, help="Host header values to answer to, * for "
-                   "any (default: loopback names and --host; any if --host is 0.0.0.0); guards a local server "
+                   "any (default: loopback names and --host; any if --host is 0.0.0.0); guards a local "
+                   "server "
                    "against DNS rebinding")
     s.add_argument("--disable-fastapi-docs", action=argparse.BooleanOptionalAction, default=True,
                    help="serve no /docs, /redoc, /openapi.json (default: disabled; when enabled, they need "
@@ -267,8 +277,10 @@ def _serve(a):
     keys = a.api_key or [k for k in env_keys if k][:1]
     try: serve(a.model, a.host, a.port, keys, a.served_model_name, a.uvicorn_log_level, a.max_n,
                a.max_request_body_bytes, a.max_logprobs, a.allowed_hosts, not a.disable_fastapi_docs,
-               a.h11_max_incomplete_event_size, **engine_kwargs(a))
+               a.h11_max_incomplete_event_size,
+               disable_frontend_multiprocessing=a.disable_frontend_multiprocessing, **engine_kwargs(a))
     except EngineDeadError as e: sys.exit(f"pagednb serve: error: {e}")
+    except KeyboardInterrupt: sys.exit(130)       # Ctrl-C: uvicorn shut down in order, then raised it again
 
 def _generate(a):
     "`pagednb generate`: the flags to `generate` (its `--seed` is the request's, not the engine's)."
@@ -294,7 +306,7 @@ def main(argv=None):
         elif a.cmd == "serve": _serve(a)
         elif a.cmd == "generate": _generate(a)
         else: p.print_help()
-    except (ValueError, NotImplementedError, OSError) as e:   # a bad knob or model path: one line, no traceback
+    except (ValueError, NotImplementedError, OSError) as e:   # a bad knob or path: one line, no traceback
         p.exit(2, f"pagednb {a.cmd}: error: {e}\n")
 
 # %% ../nbs/11_cli.ipynb #eb924120

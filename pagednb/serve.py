@@ -1,4 +1,4 @@
-"""`pagednb serve`: one engine loop behind vLLM's HTTP API (`/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/tokenize`, `/detokenize`, `/health`, `/version`, Prometheus `/metrics`), where one bad request harms no one else.
+"""`pagednb serve`: vLLM's HTTP API (`/v1/completions`, `/v1/chat/completions`, `/v1/models`, `/tokenize`, `/detokenize`, `/health`, `/version`, Prometheus `/metrics`) over an engine core in its own process, where one bad request harms no one else.
 
 Docs: https://pagednb.github.io/pagednb/serve.html.md"""
 
@@ -7,22 +7,28 @@ Docs: https://pagednb.github.io/pagednb/serve.html.md"""
 # %% auto #0
 __all__ = ['logger', 'MAX_N', 'MAX_PROMPTS', 'MAX_LOGPROBS', 'MAX_BODY_BYTES', 'HEADER_TIMEOUT', 'TTFT_BUCKETS', 'ITL_BUCKETS',
            'E2E_BUCKETS', 'APIError', 'Histogram', 'token_buckets', 'Exposition', 'engine_error', 'RequestStream',
-           'AsyncEngine', 'StreamOptions', 'CompletionRequest', 'TextPart', 'ChatMessage', 'ResponseFormat',
-           'ChatCompletionRequest', 'OpenAIServer', 'ClientDisconnected', 'collect', 'TokenizeRequest',
-           'DetokenizeRequest', 'default_allowed_hosts', 'build_app', 'header_timeout_protocol', 'uvicorn_config',
+           'AsyncEngine', 'EngineCoreRequest', 'CoreAbort', 'CoreUtility', 'CoreShutdown', 'CompletionDelta',
+           'EngineCoreOutput', 'EngineCoreOutputs', 'CoreReady', 'CoreFailed', 'CoreReply', 'CoreDead', 'core_output',
+           'EngineCoreProc', 'run_engine_core', 'EngineConfigView', 'AsyncMPClient', 'StreamOptions',
+           'CompletionRequest', 'TextPart', 'ChatMessage', 'ResponseFormat', 'ChatCompletionRequest', 'OpenAIServer',
+           'ClientDisconnected', 'collect', 'TokenizeRequest', 'DetokenizeRequest', 'core_snapshot',
+           'default_allowed_hosts', 'build_app', 'header_timeout_protocol', 'uvicorn_config', 'build_engine_client',
            'serve', 'BackgroundServer', 'benchmark_server']
 
 # %% ../nbs/10_serve.ipynb #e4198d39
 from fastcore.basics import patch
-import asyncio, bisect, contextlib, copy, dataclasses, hashlib, hmac, inspect, ipaddress, json, logging, math
-import os, queue, threading, time, uuid
-from typing import Literal
+import asyncio, bisect, builtins, contextlib, copy, dataclasses, functools, hashlib, hmac, inspect, ipaddress
+import itertools, json, logging, math, multiprocessing, multiprocessing.connection, os, pickle, queue, signal
+import sys, threading, time, uuid
+from types import SimpleNamespace
+from typing import Any, Literal
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from .sampling import SamplingParams
+from .sampling import SamplingParams, CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from .engine import LLMEngine, EngineDeadError, stream_deltas
 from .model import EMBEDDED_NAME
 from . import __version__
@@ -43,6 +49,7 @@ def _printable(s):
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
           500: "internal_server_error", 503: "service_unavailable"}
 
+# %% ../nbs/10_serve.ipynb #f6714e75-1
 class APIError(Exception):
     "An error rendered as OpenAI's error JSON with an HTTP status."
     def __init__(self, message, status=400, type=None, param=None, code=None):
@@ -99,6 +106,7 @@ def _num(v):
     if isinstance(v, float): return repr(v)
     return str(v)
 
+# %% ../nbs/10_serve.ipynb #e724f046-1
 def _esc(v): return str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 def _labels(d): return "{" + ",".join(f'{k}="{_esc(v)}"' for k, v in d.items()) + "}" if d else ""
@@ -125,11 +133,12 @@ class Exposition:
 
 # %% ../nbs/10_serve.ipynb #ef24b039
 def engine_error(out) -> APIError:
-    "The `APIError` of a `RequestOutput` the engine failed (`out.error`): 500 unless it was the client's fault."
+    "The `APIError` of a `RequestOutput` the engine failed (`out.error`): 500 unless the client was at fault."
     status = getattr(out, "error_status", None) or 500
     param = getattr(out, "error_param", None)
     return APIError(f"request {out.request_id} failed: {out.error}", status, param=param)
 
+# %% ../nbs/10_serve.ipynb #ef24b039-1
 class RequestStream:
     "The outputs of the engine requests behind one API call, as an async iterator; `abort()` stops the rest."
     def __init__(self, aengine, request_ids):
@@ -162,34 +171,53 @@ class AsyncEngine:
     "Drives one `LLMEngine` from a background thread; asyncio code submits requests and awaits their outputs."
     def __init__(self, engine, on_dead=None):
         self.engine, self.inbox, self.thread, self.on_dead = engine, queue.SimpleQueue(), None, on_dead
-        self.error, self.stopped, self._lock = None, False, threading.Lock()   # the lock orders submit vs. stop
-        self._dest, self._timing = {}, {}           # engine thread only: request_id -> (loop, queue) / _Timing
+        self.error, self.stopped = None, False
+        self._lock = threading.Lock()               # orders submit against stop
+        self._dest, self._timing = {}, {}           # engine thread only: request_id -> destination / _Timing
         L = engine.sched_config.max_model_len
         self.ttft, self.itl = Histogram(TTFT_BUCKETS), Histogram(ITL_BUCKETS)
         self.e2e, self.queue_time = Histogram(E2E_BUCKETS), Histogram(E2E_BUCKETS)
         self.prompt_len, self.output_len = Histogram(token_buckets(L)), Histogram(token_buckets(L))
         self.finished = {}                          # finish reason -> outputs
-        self.prompt_tokens = 0                      # prompt tokens of started requests, prefix-cached ones too
+        self.prompt_tokens = 0                      # prompt tokens of started requests, prefix-cache hits too
 
-    def start(self):
-        "Start the engine thread (idempotent)."
-        if self.thread is None:
-            self.thread = threading.Thread(target=self._loop, name="pagednb-engine", daemon=True)
-            self.thread.start()
-        return self
-    def shutdown(self, timeout=30):
-        "Stop the engine thread after the step in progress; unfinished requests get an error."
-        if self.thread is not None and self.thread.is_alive():
-            self.inbox.put(None)
-            self.thread.join(timeout)
-    @property
-    def is_running(self): return self.thread is not None and not self.stopped and self.thread.is_alive()
+# %% ../nbs/10_serve.ipynb #aeng-lifecycle
+@patch
+def start(self: AsyncEngine):
+    "Start the engine thread (idempotent)."
+    if self.thread is None:
+        self.thread = threading.Thread(target=self._loop, name="pagednb-engine", daemon=True)
+        self.thread.start()
+    return self
+
+# %% ../nbs/10_serve.ipynb #aeng-lifecycle-1
+@patch
+def shutdown(self: AsyncEngine, timeout=30):
+    "Stop the engine thread after the step in progress; unfinished requests get an error."
+    if self.thread is not None and self.thread.is_alive():
+        self.inbox.put(None)
+        self.thread.join(timeout)
+
+# %% ../nbs/10_serve.ipynb #aeng-lifecycle-2
+@patch(as_prop=True)
+def is_running(self: AsyncEngine):
+    return self.thread is not None and not self.stopped and self.thread.is_alive()
 
 # %% ../nbs/10_serve.ipynb #6a3582f1
 def _send(loop, q, item):
+    "Put `item` on the asyncio queue `q` of `loop`, from any thread."
     try: loop.call_soon_threadsafe(q.put_nowait, item)
     except RuntimeError: pass                       # the event loop is closed: nobody is listening
 
+# %% ../nbs/10_serve.ipynb #6a3582f1-1
+def _settle(loop, fut, ok, v):
+    "Set the asyncio future `fut` of `loop` from any thread: to the result `v`, or to the exception `v`."
+    def settle():
+        if not fut.done(): fut.set_result(v) if ok else fut.set_exception(v)
+    try: loop.call_soon_threadsafe(settle)
+    except RuntimeError: pass
+
+# %% ../nbs/10_serve.ipynb #6a3582f1-2
 @patch
 def _loop(self: AsyncEngine):
     e = self.engine
@@ -211,36 +239,41 @@ def _loop(self: AsyncEngine):
         self._deliver(outs)
 
 # %% ../nbs/10_serve.ipynb #67e21915
+def _stop_error(ex):
+    "The `APIError` of requests in flight when the engine stops: 503 for a shutdown (`ex` None), else 500."
+    if ex is None: return APIError("the server is shutting down", 503)
+    return APIError(f"the engine failed ({type(ex).__name__}: {ex}) and has stopped; the server exits to be "
+                    "restarted", 500)
+
+# %% ../nbs/10_serve.ipynb #67e21915-1
 @patch
 def _stop(self: AsyncEngine, ex):
     "Stop serving: fail every request in flight or queued; `ex` is the step's exception (None: a shutdown)."
-    dead = f"the engine failed ({type(ex).__name__}: {ex}) and has stopped; the server exits to be restarted"
-    err = APIError("the server is shutting down", 503) if ex is None else APIError(dead, 500)
+    err = _stop_error(ex)
     with self._lock:                          # after this, submit() refuses: nothing is queued and forgotten
         self.error, self.stopped = ex, True
     while True:
         try: cmd = self.inbox.get_nowait()
         except queue.Empty: break
-        if cmd and cmd[0] == "add": _send(cmd[5], cmd[6], err)
-        if cmd and cmd[0] == "call":
-            cmd[2].call_soon_threadsafe(lambda f=cmd[3]: f.done() or f.set_exception(err))
-    for rid, (loop, q) in list(self._dest.items()): _send(loop, q, err)
+        if cmd and cmd[0] == "add": cmd[5](err)
+        if cmd and cmd[0] == "call": cmd[2](False, err)
+    for dest in list(self._dest.values()): dest(err)
     self._dest.clear()
     self._timing.clear()
     if ex is not None and self.on_dead is not None: self.on_dead(ex)
 
 # %% ../nbs/10_serve.ipynb #28436305
 @patch
-def _cmd_add(self: AsyncEngine, rid, prompt, params, arrival, loop, q):
+def _cmd_add(self: AsyncEngine, rid, prompt, params, arrival, dest):
     try: self.engine.add_request(rid, prompt, params, arrival_time=arrival)
-    except ValueError as ex: return _send(loop, q, APIError(str(ex)))
+    except ValueError as ex: return dest(APIError(str(ex)))
     except Exception as ex:
         logger.exception("the engine refused request %s", rid)
-        why = f"the engine could not take request {rid}: {type(ex).__name__}: {ex}"
-        return _send(loop, q, APIError(why, 500))
-    self._dest[rid] = (loop, q)
+        return dest(APIError(f"the engine could not take request {rid}: {type(ex).__name__}: {ex}", 500))
+    self._dest[rid] = dest
     self._timing[rid] = _Timing(arrival)
 
+# %% ../nbs/10_serve.ipynb #28436305-1
 @patch
 def _cmd_abort(self: AsyncEngine, rid):
     if self._dest.pop(rid, None) is not None:
@@ -248,14 +281,12 @@ def _cmd_abort(self: AsyncEngine, rid):
         self._timing.pop(rid, None)
         self.finished["abort"] = self.finished.get("abort", 0) + 1
 
+# %% ../nbs/10_serve.ipynb #28436305-2
 @patch
-def _cmd_call(self: AsyncEngine, fn, loop, fut):
-    def settle(ok, v):
-        if not fut.done(): fut.set_result(v) if ok else fut.set_exception(v)
+def _cmd_call(self: AsyncEngine, fn, reply):
     try: r = (True, fn(self.engine))
     except Exception as ex: r = (False, ex)
-    try: loop.call_soon_threadsafe(settle, *r)
-    except RuntimeError: pass
+    reply(*r)
 
 # %% ../nbs/10_serve.ipynb #02d48b4c
 @patch
@@ -269,6 +300,7 @@ def _mark_scheduled(self: AsyncEngine, t):
         self.queue_time.observe(max(0.0, t - tm.arrival))
         self.prompt_tokens += len(req.prompt_token_ids)   # vLLM counts prefix-cache hits as prompt tokens too
 
+# %% ../nbs/10_serve.ipynb #02d48b4c-1
 @patch
 def _observe(self: AsyncEngine, out, now):
     t = self._timing.get(out.request_id)
@@ -284,6 +316,7 @@ def _observe(self: AsyncEngine, out, now):
         self.output_len.observe(ntok)
         for o in out.outputs: self.finished[o.finish_reason] = self.finished.get(o.finish_reason, 0) + 1
 
+# %% ../nbs/10_serve.ipynb #02d48b4c-2
 @patch
 def _deliver(self: AsyncEngine, outs):
     now = time.time()
@@ -293,7 +326,7 @@ def _deliver(self: AsyncEngine, outs):
         rid = out.request_id
         dest = self._dest.pop(rid, None) if out.finished else self._dest.get(rid)
         if out.finished: self._timing.pop(rid, None)
-        if dest is not None: _send(*dest, out)
+        if dest is not None: dest(out)
 
 # %% ../nbs/10_serve.ipynb #232fb0d3
 def _not_running(): return APIError("the engine is not running", 503)
@@ -303,16 +336,19 @@ def submit(self: AsyncEngine, items, arrival_time=None) -> RequestStream:
     "Queue `(request_id, prompt, SamplingParams)` items; returns the `RequestStream` of their outputs."
     loop, arrival = asyncio.get_running_loop(), arrival_time or time.time()
     s = RequestStream(self, [rid for rid, *_ in items])
+    dest = functools.partial(_send, loop, s.q)
     with self._lock:
         if not self.is_running: raise _not_running()
-        for rid, prompt, params in items: self.inbox.put(("add", rid, prompt, params, arrival, loop, s.q))
+        for rid, prompt, params in items: self.inbox.put(("add", rid, prompt, params, arrival, dest))
     return s
 
+# %% ../nbs/10_serve.ipynb #232fb0d3-1
 @patch
 def abort(self: AsyncEngine, request_id):
     "Abort a request (thread-safe); its pages are freed at the engine's next step."
     self.inbox.put(("abort", request_id))
 
+# %% ../nbs/10_serve.ipynb #aeng-call
 @patch
 async def call(self: AsyncEngine, fn):
     "Run `fn(engine)` on the engine thread between two steps; returns its result."
@@ -320,8 +356,468 @@ async def call(self: AsyncEngine, fn):
     fut = loop.create_future()
     with self._lock:
         if not self.is_running: raise _not_running()
-        self.inbox.put(("call", fn, loop, fut))
+        self.inbox.put(("call", fn, functools.partial(_settle, loop, fut)))
     return await fut
+
+# %% ../nbs/10_serve.ipynb #aeng-call-1
+@patch
+async def snapshot(self: AsyncEngine) -> dict:
+    "What `/metrics` reports (`core_snapshot`), read on the engine thread between two steps."
+    return await self.call(functools.partial(core_snapshot, stats=self))
+
+# %% ../nbs/10_serve.ipynb #core-msgs-in
+class EngineCoreRequest(msgspec.Struct, tag=True, array_like=True):
+    "A request for the core: its id, prompt text (if any) and token ids, `SamplingParams`, arrival time."
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float
+
+# %% ../nbs/10_serve.ipynb #core-msgs-in-1
+class CoreAbort(msgspec.Struct, tag=True, array_like=True):
+    "Abort a request: its pages are freed at the core's next step."
+    request_id: str
+
+class CoreUtility(msgspec.Struct, tag=True, array_like=True):
+    "Run a named utility (`snapshot`) between two steps; the answer is a `CoreReply` with `call_id`."
+    call_id: int
+    method: str
+
+# %% ../nbs/10_serve.ipynb #core-msgs-in-2
+class CoreShutdown(msgspec.Struct, tag=True, array_like=True):
+    "Stop after the step in progress."
+
+# %% ../nbs/10_serve.ipynb #core-msgs-out
+class CompletionDelta(msgspec.Struct, array_like=True):
+    "One output's news from one step: `keep` characters of its text stand, then `text`; the new tokens."
+    index: int
+    keep: int
+    text: str
+    token_ids: list[int]
+    logprobs: list | None = None                   # per new token: [[token_id, logprob, rank, text], ...]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+# %% ../nbs/10_serve.ipynb #core-msgs-out-1
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    "One request's news from one step, or why it failed (`error` from the engine, `api_error` from the loop)."
+    request_id: str
+    outputs: list[CompletionDelta] = []
+    finished: bool = False
+    num_cached_tokens: int = 0
+    first_token_time: float | None = None
+    prompt_logprobs: list | None = None            # sent once, when the request finishes
+    error: str | None = None
+    error_status: int | None = None
+    error_param: str | None = None
+    api_error: list | None = None                  # an APIError's [message, status, param, code]
+
+# %% ../nbs/10_serve.ipynb #core-msgs-step
+class EngineCoreOutputs(msgspec.Struct, tag=True, array_like=True):
+    "Everything one step produced, in one message, with the scheduler's counts after the step."
+    outputs: list[EngineCoreOutput]
+    timestamp: float
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+
+# %% ../nbs/10_serve.ipynb #core-msgs-step-1
+class CoreReady(msgspec.Struct, tag=True, array_like=True):
+    "The core is up: the limits that requests are checked against, and the engine's tokenizer (pickled)."
+    max_model_len: int
+    vocab_size: int
+    max_logprobs: int
+    tokenizer: bytes
+
+# %% ../nbs/10_serve.ipynb #core-msgs-step-2
+class CoreFailed(msgspec.Struct, tag=True, array_like=True):
+    "The engine could not be built (a bad knob, a bad model path): the exception's built-in class and text."
+    error_type: str
+    message: str
+
+# %% ../nbs/10_serve.ipynb #core-msgs-reply
+class CoreReply(msgspec.Struct, tag=True, array_like=True):
+    "The answer to a `CoreUtility`: its value, or (`ok` false) the error's text."
+    call_id: int
+    ok: bool
+    value: Any
+
+# %% ../nbs/10_serve.ipynb #core-msgs-reply-1
+class CoreDead(msgspec.Struct, tag=True, array_like=True):
+    "The engine's step raised: the core stops and exits with status 1."
+    error_type: str
+    message: str
+
+_TO_CORE = EngineCoreRequest | CoreAbort | CoreUtility | CoreShutdown
+_FROM_CORE = EngineCoreOutputs | CoreReady | CoreFailed | CoreReply | CoreDead
+
+# %% ../nbs/10_serve.ipynb #core-lps
+def _pack_logprobs(lps):
+    "Per position `{token_id: Logprob}` (or None) as plain lists, for msgpack."
+    if lps is None: return None
+    def one(d): return [[t, v.logprob, v.rank, v.decoded_token] for t, v in d.items()]
+    return [None if d is None else one(d) for d in lps]
+
+# %% ../nbs/10_serve.ipynb #core-lps-1
+def _unpack_logprobs(rows):
+    "The inverse of `_pack_logprobs`."
+    if rows is None: return None
+    return [None if r is None else {t: Logprob(lp, rank, s) for t, lp, rank, s in r} for r in rows]
+
+# %% ../nbs/10_serve.ipynb #core-delta
+def _kept(prev, text):
+    "How many leading characters of `prev` still stand in `text`."
+    return len(prev) if text.startswith(prev) else len(os.path.commonprefix([prev, text]))
+
+def _delta(o, sent):
+    "The `CompletionDelta` of `CompletionOutput` `o` against `sent`, updated; None if nothing changed."
+    text, nt, fin = sent.get(o.index, ("", 0, None))
+    if o.text == text and len(o.token_ids) == nt and o.finish_reason == fin: return None
+    sent[o.index] = (o.text, len(o.token_ids), o.finish_reason)
+    keep, lps = _kept(text, o.text), _pack_logprobs(o.logprobs[nt:]) if o.logprobs else None
+    new = o.token_ids[nt:]
+    return CompletionDelta(o.index, keep, o.text[keep:], new, lps, o.finish_reason, o.stop_reason)
+
+# %% ../nbs/10_serve.ipynb #core-output
+def core_output(out: RequestOutput, sent: dict) -> EngineCoreOutput:
+    "The `EngineCoreOutput` of a `RequestOutput`: the deltas of its outputs against `sent` (updated)."
+    deltas = [d for d in (_delta(o, sent) for o in out.outputs) if d is not None]
+    m = out.metrics
+    plp = _pack_logprobs(out.prompt_logprobs) if out.finished else None
+    return EngineCoreOutput(out.request_id, deltas, out.finished, out.num_cached_tokens,
+                            m.first_token_time if m else None, plp, out.error,
+                            getattr(out, "error_status", None), getattr(out, "error_param", None))
+
+# %% ../nbs/10_serve.ipynb #core-accum
+class _Accum:
+    "A request's outputs so far, rebuilt in the front-end from the core's deltas."
+    def __init__(self, request_id, prompt, prompt_token_ids, arrival):
+        self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
+        self.metrics, self.outs = RequestMetrics(arrival), {}
+
+# %% ../nbs/10_serve.ipynb #core-accum-1
+def _apply(c, d):
+    "Apply `CompletionDelta` `d` to `CompletionOutput` `c` (new lists: outputs handed out keep theirs)."
+    c.text = c.text[:d.keep] + d.text
+    c.token_ids = c.token_ids + d.token_ids
+    if d.logprobs is not None: c.logprobs = (c.logprobs or []) + _unpack_logprobs(d.logprobs)
+    c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
+
+# %% ../nbs/10_serve.ipynb #core-accum-update
+@patch
+def update(self: _Accum, o: EngineCoreOutput) -> RequestOutput:
+    "Apply one step's `EngineCoreOutput`; returns the `RequestOutput` the engine would have returned."
+    for d in o.outputs: _apply(self.outs.setdefault(d.index, CompletionOutput(d.index, "", [])), d)
+    self.metrics.num_cached_tokens = o.num_cached_tokens
+    self.metrics.first_token_time = o.first_token_time or self.metrics.first_token_time
+    outs = [copy.copy(c) for _, c in sorted(self.outs.items())]
+    out = RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, o.finished,
+                        copy.copy(self.metrics), _unpack_logprobs(o.prompt_logprobs), o.error)
+    if o.error_status is not None: out.error_status, out.error_param = o.error_status, o.error_param
+    return out
+
+# %% ../nbs/10_serve.ipynb #core-proc
+def _enc_hook(obj):
+    "What msgspec cannot encode itself: a `Histogram` as `[buckets, counts, sum, count]`, a scalar's value."
+    if isinstance(obj, Histogram): return [list(obj.buckets), obj.counts, obj.sum, obj.count]
+    return obj.item() if hasattr(obj, "item") else str(obj)
+
+# %% ../nbs/10_serve.ipynb #core-proc-1
+class EngineCoreProc(AsyncEngine):
+    "`AsyncEngine`'s loop in a process of its own: commands come in on one pipe, outputs go out on another."
+    def __init__(self, engine, output_conn):
+        super().__init__(engine)
+        self.conn, self.enc = output_conn, msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+        self._sent, self._step_outs = {}, []        # request_id -> what was sent; this step's outputs
+    def _put(self, msg):
+        try: self.conn.send_bytes(self.enc.encode(msg))
+        except OSError: pass                        # the front-end is gone: the input thread stops the loop
+
+# %% ../nbs/10_serve.ipynb #core-proc-emit
+@patch
+def _emit(self: EngineCoreProc, rid, item):
+    "The destination of request `rid`: an output joins this step's message, an error is sent at once."
+    if isinstance(item, APIError):
+        self._sent.pop(rid, None)
+        err = EngineCoreOutput(rid, api_error=[item.message, item.status, item.param, item.code])
+        return self._put(EngineCoreOutputs([err], time.time()))
+    self._step_outs.append(core_output(item, self._sent.setdefault(rid, {})))
+    if item.finished: self._sent.pop(rid, None)
+
+# %% ../nbs/10_serve.ipynb #core-proc-emit-1
+@patch
+def _deliver(self: EngineCoreProc, outs):
+    "Deliver a step's outputs as `AsyncEngine` does, then send them in one `EngineCoreOutputs`."
+    AsyncEngine._deliver(self, outs)
+    s, usage = self.engine.scheduler, self.engine.block_manager.usage
+    msg = EngineCoreOutputs(self._step_outs, time.time(), len(s.running), len(s.waiting), usage)
+    self._step_outs = []
+    if msg.outputs: self._put(msg)
+
+# %% ../nbs/10_serve.ipynb #core-proc-cmds
+@patch
+def _cmd_abort(self: EngineCoreProc, rid):
+    AsyncEngine._cmd_abort(self, rid)
+    self._sent.pop(rid, None)
+
+# %% ../nbs/10_serve.ipynb #core-proc-cmds-1
+@patch
+def _stop(self: EngineCoreProc, ex):
+    "Say `CoreDead` first if the step raised (the front-end stops at once), then stop as `AsyncEngine` does."
+    if ex is not None: self._put(CoreDead(_builtin_base(ex), str(ex)))
+    AsyncEngine._stop(self, ex)
+
+# %% ../nbs/10_serve.ipynb #core-proc-cmds-2
+@patch
+def _reply(self: EngineCoreProc, call_id, ok, value):
+    try: self.conn.send_bytes(self.enc.encode(CoreReply(call_id, ok, value if ok else f"{value!r}")))
+    except Exception as ex: self._put(CoreReply(call_id, False, f"{type(ex).__name__}: {ex}"))
+
+# %% ../nbs/10_serve.ipynb #core-proc-input
+_UTILITIES = {"snapshot": lambda core: functools.partial(core_snapshot, stats=core)}
+
+@patch
+def _command(self: EngineCoreProc, msg):
+    "The loop's command for a message from the front-end."
+    if isinstance(msg, CoreAbort): return ("abort", msg.request_id)
+    if isinstance(msg, CoreUtility):
+        return ("call", _UTILITIES[msg.method](self), functools.partial(self._reply, msg.call_id))
+    prompt = {"prompt": msg.prompt, "prompt_token_ids": msg.prompt_token_ids}
+    dest = functools.partial(self._emit, msg.request_id)
+    return ("add", msg.request_id, prompt, msg.sampling_params, msg.arrival_time, dest)
+
+# %% ../nbs/10_serve.ipynb #core-proc-input-1
+@patch
+def read_requests(self: EngineCoreProc, conn):
+    "The core's input thread: each message becomes a command in the inbox; a closed pipe, a shutdown."
+    dec = msgspec.msgpack.Decoder(_TO_CORE)
+    while True:
+        try: msg = dec.decode(conn.recv_bytes())
+        except (EOFError, OSError): msg = CoreShutdown()          # the front-end is gone: stop as well
+        if isinstance(msg, CoreShutdown): return self.inbox.put(None)
+        self.inbox.put(self._command(msg))
+
+# %% ../nbs/10_serve.ipynb #core-main
+def _builtin_base(ex):
+    "The name of the nearest built-in class of exception `ex` (`ValueError` for a subclass of it)."
+    return next(c.__name__ for c in type(ex).__mro__ if getattr(builtins, c.__name__, None) is c)
+
+def run_engine_core(model, engine_kwargs, input_conn, output_conn):
+    "The core process: build the engine, say `CoreReady` (or `CoreFailed`), run the loop; exit 1 if it died."
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try: engine = LLMEngine(model, **engine_kwargs)
+    except Exception as ex:
+        return output_conn.send_bytes(msgspec.msgpack.encode(CoreFailed(_builtin_base(ex), str(ex))))
+    core = EngineCoreProc(engine, output_conn)
+    L, V = engine.sched_config.max_model_len, engine.model_config.vocab_size
+    core._put(CoreReady(L, V, engine.max_logprobs, pickle.dumps(engine.tokenizer)))
+    reader = threading.Thread(target=core.read_requests, args=(input_conn,), name="core-input", daemon=True)
+    reader.start()
+    core._loop()
+    if core.error is not None: sys.exit(1)
+
+# %% ../nbs/10_serve.ipynb #core-view
+class EngineConfigView:
+    "What the front-end knows of an engine in another process: its limits and tokenizer, and its `validate`."
+    def __init__(self, tokenizer, vocab_size, max_model_len, max_logprobs):
+        self.tokenizer, self.max_logprobs = tokenizer, max_logprobs
+        self.model_config = SimpleNamespace(vocab_size=vocab_size)
+        self.sched_config = SimpleNamespace(max_model_len=max_model_len)
+    validate, _tokenize = LLMEngine.validate, LLMEngine._tokenize     # the engine's checks, on these numbers
+
+# %% ../nbs/10_serve.ipynb #core-client
+class AsyncMPClient:
+    "The API server's side of an `EngineCoreProc` in its own process; used as an `AsyncEngine` is."
+    def __init__(self, model=None, on_dead=None, startup_timeout=900, **engine_kwargs):
+        if isinstance(model, tuple):
+            raise TypeError("the core process loads the model itself: pass its name or path, not a tuple")
+        self.on_dead, self.error, self.stopped, self.closing = on_dead, None, False, False
+        self.last_step = None                             # the last `EngineCoreOutputs`: the per-step counts
+        self._lock, self._dest, self._acc, self._calls = threading.Lock(), {}, {}, {}
+        self._ids = itertools.count()
+        self.enc, self.dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(_FROM_CORE)
+        self._spawn(model, engine_kwargs)
+        self.engine = self._handshake(startup_timeout)
+        self.thread = threading.Thread(target=self._read_outputs, name="pagednb-core-output", daemon=True)
+        self.thread.start()
+
+# %% ../nbs/10_serve.ipynb #core-environ
+@contextlib.contextmanager
+def _environ(**kv):
+    "Set environment variables `kv` inside the block (for a child started there), then restore them."
+    old = {k: os.environ.get(k) for k in kv}
+    os.environ.update(kv)
+    try: yield
+    finally:
+        for k, v in old.items():
+            if v is None: os.environ.pop(k, None)
+            else: os.environ[k] = v
+
+# %% ../nbs/10_serve.ipynb #core-spawn
+@patch
+def _spawn(self: AsyncMPClient, model, engine_kwargs):
+    "Start the core process with a pipe each way; keep only this side's ends."
+    ctx = multiprocessing.get_context("spawn")
+    core_in, self.conn = ctx.Pipe(duplex=False)            # requests: here -> core
+    self.outputs, core_out = ctx.Pipe(duplex=False)        # outputs: core -> here
+    self.proc = ctx.Process(target=run_engine_core, args=(model, engine_kwargs, core_in, core_out),
+                            name="pagednb-engine-core", daemon=True)
+    with _environ(OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE")): self.proc.start()
+    core_in.close()
+    core_out.close()
+
+# %% ../nbs/10_serve.ipynb #core-handshake
+def _remote_error(name, message):
+    "An error raised in the core: an exception of the built-in class `name`, else an `EngineDeadError`."
+    cls = getattr(builtins, name, None)
+    return cls(message) if isinstance(cls, type) and issubclass(cls, Exception) else EngineDeadError(message)
+
+# %% ../nbs/10_serve.ipynb #core-handshake-1
+@patch
+def _handshake(self: AsyncMPClient, timeout):
+    "Wait for `CoreReady` and return the `EngineConfigView`; raise what the core failed with, if it did."
+    msg = None
+    if multiprocessing.connection.wait([self.outputs], timeout):
+        try: msg = self.dec.decode(self.outputs.recv_bytes())
+        except EOFError: pass
+    if isinstance(msg, CoreReady):
+        tok = pickle.loads(msg.tokenizer)
+        return EngineConfigView(tok, msg.vocab_size, msg.max_model_len, msg.max_logprobs)
+    self.proc.join(10)
+    if self.proc.is_alive(): self.proc.kill()
+    if isinstance(msg, CoreFailed): raise _remote_error(msg.error_type, msg.message)
+    raise RuntimeError(f"the engine core process did not start (exit code {self.proc.exitcode}); see its log")
+
+# %% ../nbs/10_serve.ipynb #core-read
+@patch
+def _read_outputs(self: AsyncMPClient):
+    "The output thread: each message reaches the requests it is for; the end of the pipe is the core's end."
+    while True:
+        try: msg = self.dec.decode(self.outputs.recv_bytes())
+        except (EOFError, OSError): return self._core_gone()
+        if isinstance(msg, EngineCoreOutputs): self._deliver(msg)
+        elif isinstance(msg, CoreReply): self._answer(msg)
+        elif isinstance(msg, CoreDead): self._stop(_remote_error(msg.error_type, msg.message))
+
+# %% ../nbs/10_serve.ipynb #core-read-1
+@patch
+def _core_gone(self: AsyncMPClient):
+    "The core's pipe closed: after a `CoreDead`, or a shutdown if we asked for one, else the core died."
+    self.proc.join(10)
+    if self.stopped: return
+    if self.closing: return self._stop(None)
+    pid, code = self.proc.pid, self.proc.exitcode
+    ex = RuntimeError(f"the engine core process (pid {pid}) exited with code {code}")
+    logger.error("the engine core is gone (%s: %s); the server stops", type(ex).__name__, ex)
+    self._stop(ex)
+
+# %% ../nbs/10_serve.ipynb #core-deliver
+@patch
+def _deliver(self: AsyncMPClient, msg):
+    "Hand each request of one step its rebuilt `RequestOutput` (or its error)."
+    self.last_step = msg
+    for o in msg.outputs:
+        with self._lock:
+            acc, dest = self._acc.get(o.request_id), self._dest.get(o.request_id)
+            if o.finished or o.api_error is not None:
+                self._acc.pop(o.request_id, None)
+                self._dest.pop(o.request_id, None)
+        if dest is None: continue
+        m, s, p, c = o.api_error or (None,)*4
+        dest(APIError(m, s, param=p, code=c) if o.api_error is not None else acc.update(o))
+
+# %% ../nbs/10_serve.ipynb #core-stop
+@patch
+def _stop(self: AsyncMPClient, ex):
+    "Fail every request in flight and every pending call; `ex`: why the core stopped (None: a shutdown)."
+    err = _stop_error(ex)
+    with self._lock:                              # after this, submit() refuses
+        self.error, self.stopped = ex, True
+        dests, calls = list(self._dest.values()), list(self._calls.values())
+        self._dest.clear()
+        self._acc.clear()
+        self._calls.clear()
+    for dest in dests: dest(err)
+    for reply in calls: reply(False, err)
+    if ex is not None and self.on_dead is not None: self.on_dead(ex)
+
+# %% ../nbs/10_serve.ipynb #core-submit
+@patch
+def _put(self: AsyncMPClient, msg):
+    "Send `msg` to the core (the caller holds the lock); a dead core is noticed by the output thread."
+    try: self.conn.send_bytes(self.enc.encode(msg))
+    except OSError: pass
+
+# %% ../nbs/10_serve.ipynb #core-submit-1
+@patch
+def submit(self: AsyncMPClient, items, arrival_time=None) -> RequestStream:
+    "Send `(request_id, prompt, SamplingParams)` items to the core; returns the `RequestStream` of them."
+    loop, arrival = asyncio.get_running_loop(), arrival_time or time.time()
+    s = RequestStream(self, [rid for rid, *_ in items])
+    with self._lock:
+        if not self.is_running: raise _not_running()
+        for rid, prompt, params in items:
+            text, ids = self.engine._tokenize(prompt)
+            self._dest[rid] = functools.partial(_send, loop, s.q)
+            self._acc[rid] = _Accum(rid, text, ids, arrival)
+            self._put(EngineCoreRequest(rid, text, ids, params, arrival))
+    return s
+
+# %% ../nbs/10_serve.ipynb #core-abort
+@patch
+def abort(self: AsyncMPClient, request_id):
+    "Abort a request (thread-safe); the core frees its pages at its next step."
+    with self._lock:
+        self._acc.pop(request_id, None)
+        if self._dest.pop(request_id, None) is not None and not self.stopped: self._put(CoreAbort(request_id))
+
+# %% ../nbs/10_serve.ipynb #core-abort-1
+def _histogram(state):
+    "A `Histogram` from the `[buckets, counts, sum, count]` the core sent."
+    h = Histogram(state[0])
+    h.counts, h.sum, h.count = list(state[1]), state[2], state[3]
+    return h
+
+# %% ../nbs/10_serve.ipynb #core-snapshot
+@patch
+async def snapshot(self: AsyncMPClient) -> dict:
+    "`core_snapshot` of the engine in the core process, taken between two of its steps."
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+    with self._lock:
+        if not self.is_running: raise _not_running()
+        cid = next(self._ids)
+        self._calls[cid] = functools.partial(_settle, loop, fut)
+        self._put(CoreUtility(cid, "snapshot"))
+    s = await fut
+    return {**s, **{k: _histogram(s[k]) for k in _HISTOGRAMS}}
+
+# %% ../nbs/10_serve.ipynb #core-snapshot-1
+@patch
+def _answer(self: AsyncMPClient, msg):
+    with self._lock: reply = self._calls.pop(msg.call_id, None)
+    if reply is None: return
+    reply(msg.ok, msg.value if msg.ok else APIError(f"the engine core failed: {msg.value}", 500))
+
+# %% ../nbs/10_serve.ipynb #core-lifecycle
+@patch
+def start(self: AsyncMPClient): return self          # the core started with the client
+
+@patch(as_prop=True)
+def is_running(self: AsyncMPClient): return not self.stopped and self.proc.is_alive()
+
+# %% ../nbs/10_serve.ipynb #core-lifecycle-1
+@patch
+def shutdown(self: AsyncMPClient, timeout=30):
+    "Stop the core after its step in progress (unfinished requests get a 503) and wait for it to exit."
+    with self._lock:
+        self.closing = True
+        if not self.stopped: self._put(CoreShutdown())
+    self.proc.join(timeout)
+    if self.proc.is_alive(): self.proc.kill()
+    self.proc.join(5)
+    self.thread.join(5)
 
 # %% ../nbs/10_serve.ipynb #ba6dd987
 def _surrogate_path(data):
@@ -337,6 +833,7 @@ def _surrogate_path(data):
         elif isinstance(v, list): stack += [(path + (i,), x) for i, x in enumerate(v)]
     return None
 
+# %% ../nbs/10_serve.ipynb #ba6dd987-1
 class _Strict(BaseModel):
     "Known fields strictly typed, unknown ones ignored."
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
@@ -388,6 +885,7 @@ class _SamplingFields(_Body):
     truncate_prompt_tokens: int | None = None
     prompt_logprobs: int | None = None
 
+# %% ../nbs/10_serve.ipynb #a287a238-1
 class CompletionRequest(_SamplingFields):
     "The body of `POST /v1/completions`."
     prompt: str | list[str] | list[int] | list[list[int]]
@@ -408,6 +906,7 @@ class ChatMessage(_Strict):
     content: str | list[TextPart] | None = None
     name: str | None = None
 
+# %% ../nbs/10_serve.ipynb #f4d874db-1
 class ResponseFormat(_Strict):
     type: Literal["text"]
 
@@ -429,10 +928,12 @@ class ChatCompletionRequest(_SamplingFields):
 
 # %% ../nbs/10_serve.ipynb #35cd2d30
 class OpenAIServer:
-    "What the HTTP handlers share: the engine loop, the served names, the limits and a tokenizer."
+    "What the HTTP handlers share: the engine (a thread or a core process), the served names, the limits."
     def __init__(self, engine, served_model_names=None, api_key=None, max_n=MAX_N,
-                 max_body_bytes=MAX_BODY_BYTES, max_logprobs=MAX_LOGPROBS, allowed_hosts=None, enable_docs=False):
-        self.engine, self.aengine = engine, AsyncEngine(engine)
+                 max_body_bytes=MAX_BODY_BYTES, max_logprobs=MAX_LOGPROBS, allowed_hosts=None,
+                 enable_docs=False):
+        self.aengine = engine if isinstance(engine, (AsyncEngine, AsyncMPClient)) else AsyncEngine(engine)
+        self.engine = engine = self.aengine.engine     # an `LLMEngine`, or the `EngineConfigView` of a core's
         names = served_model_names or [EMBEDDED_NAME]
         names = [names] if isinstance(names, str) else list(names)
         keys = [api_key] if isinstance(api_key, str) else [k for k in (api_key or []) if k]
@@ -442,16 +943,21 @@ class OpenAIServer:
         self.vocab_size = engine.model_config.vocab_size
         self.max_model_len, self.created = engine.sched_config.max_model_len, int(time.time())
 
-    def check_model(self, model):
-        if model is not None and model not in self.names:
-            raise APIError(f"The model `{model}` does not exist; this server serves {self.names}", 404,
-                           param="model", code="model_not_found")
-    def need_tokenizer(self, what, param=None):
-        "The tokenizer; a 400 naming `what` needs it when the model came without one."
-        if self.tokenizer is None:
-            raise APIError(f"this model has no tokenizer, so {what} cannot be used: send prompts as token ids",
-                           param=param)
-        return self.tokenizer
+# %% ../nbs/10_serve.ipynb #oais-checks
+@patch
+def check_model(self: OpenAIServer, model):
+    if model is not None and model not in self.names:
+        raise APIError(f"The model `{model}` does not exist; this server serves {self.names}", 404,
+                       param="model", code="model_not_found")
+
+# %% ../nbs/10_serve.ipynb #oais-checks-1
+@patch
+def need_tokenizer(self: OpenAIServer, what, param=None):
+    "The tokenizer; a 400 naming `what` needs it when the model came without one."
+    if self.tokenizer is None:
+        raise APIError(f"this model has no tokenizer, so {what} cannot be used: send prompts as token ids",
+                       param=param)
+    return self.tokenizer
 
 # %% ../nbs/10_serve.ipynb #3893cdc4
 def _param_of(err):
@@ -459,6 +965,7 @@ def _param_of(err):
     s = str(err)
     return s.split("SamplingParams.", 1)[1].split("=", 1)[0] if "SamplingParams." in s else None
 
+# %% ../nbs/10_serve.ipynb #3893cdc4-1
 def _sp_error(e, rename=None):
     param = _param_of(e)
     return APIError(str(e).replace("SamplingParams.", "", 1), param=(rename or {}).get(param, param))
@@ -477,13 +984,16 @@ def sampling_params(self: OpenAIServer, r, max_tokens, logprobs=None, rename=Non
                        "request", param="n")
     if r.stream_options is not None and not r.stream:
         raise APIError("stream_options is only allowed with stream=true", param="stream_options")
-    if r.stop or r.bad_words: self.need_tokenizer("stop strings and bad_words", "stop" if r.stop else "bad_words")
+    if r.stop or r.bad_words:
+        self.need_tokenizer("stop strings and bad_words", "stop" if r.stop else "bad_words")
     kw = dict(n=r.n, max_tokens=max_tokens, seed=r.seed, stop=r.stop, stop_token_ids=r.stop_token_ids,
               min_tokens=r.min_tokens, ignore_eos=r.ignore_eos, logprobs=logprobs,
               skip_special_tokens=r.skip_special_tokens, **{k: getattr(r, k) for k in _NEUTRAL},
-              **{k: getattr(r, k) for k in ("temperature", "top_p", "top_k", "min_p") if getattr(r, k) is not None})
-    for k in [k for k in kw if k not in _SP_FIELDS]:          # a field SamplingParams lacks: only its neutral value
-        if kw.pop(k) not in (None, _NEUTRAL.get(k)): raise APIError(f"{k} is not supported by this engine", param=k)
+              **{k: getattr(r, k) for k in ("temperature", "top_p", "top_k", "min_p")
+                 if getattr(r, k) is not None})
+    for k in [k for k in kw if k not in _SP_FIELDS]:          # a field SamplingParams lacks: neutral only
+        if kw.pop(k) not in (None, _NEUTRAL.get(k)):
+            raise APIError(f"{k} is not supported by this engine", param=k)
     try:
         sp = SamplingParams(**{k: v for k, v in kw.items() if v is not None})
         sp.verify(self.vocab_size, self.max_logprobs)
@@ -492,22 +1002,27 @@ def sampling_params(self: OpenAIServer, r, max_tokens, logprobs=None, rename=Non
 
 # %% ../nbs/10_serve.ipynb #006d258c
 @patch
-def fit_max_tokens(self: OpenAIServer, requested, n_prompt, explicit, prompt_param="prompt", param="max_tokens"):
-    "The `max_tokens` to run with: errors if the prompt, or an explicit `max_tokens`, does not fit the context."
+def fit_max_tokens(self: OpenAIServer, requested, n_prompt, explicit, prompt_param="prompt",
+                   param="max_tokens"):
+    "The `max_tokens` to run with; an error if the prompt, or an explicit `max_tokens`, does not fit."
     L = self.max_model_len
     if n_prompt >= L:
-        raise APIError(f"This model's maximum context length is {L} tokens. However, your prompt has {n_prompt} "
-                       f"tokens; it may have at most {L-1} so that one token can be generated. Please shorten the "
+        raise APIError(f"This model's maximum context length is {L} tokens. However, your prompt has "
+                       f"{n_prompt} "
+                       f"tokens; it may have at most {L-1} so that one token can be generated. Please "
+                       "shorten the "
                        "prompt.", param=prompt_param, code="context_length_exceeded")
     room = L - n_prompt
     if requested is None: return room
     if requested < 1: raise APIError(f"{param}={requested} is invalid: it must be at least 1", param=param)
     if requested > room and explicit:
         raise APIError(f"This model's maximum context length is {L} tokens. However, you requested "
-                       f"{n_prompt + requested} tokens ({n_prompt} in the prompt, {requested} in the completion). "
+                       f"{n_prompt + requested} tokens ({n_prompt} in the prompt, {requested} in the "
+                       "completion). "
                        f"Please reduce the prompt or {param}.", param=param, code="context_length_exceeded")
     return min(requested, room)
 
+# %% ../nbs/10_serve.ipynb #006d258c-1
 @patch
 def truncate(self: OpenAIServer, ids, k):
     "vLLM's `truncate_prompt_tokens`: keep the last `k` prompt tokens (-1: up to `max_model_len`)."
@@ -529,17 +1044,20 @@ def _check_completion_fields(self: OpenAIServer, r: CompletionRequest):
     if r.best_of is not None and r.best_of != r.n:
         raise APIError("best_of is not supported by pagednb (only best_of == n)", param="best_of")
     if r.logprobs is not None and not 0 <= r.logprobs <= self.max_logprobs:
-        raise APIError(f"logprobs={r.logprobs} is out of range: ask for 0 to {self.max_logprobs} alternatives per "
+        raise APIError(f"logprobs={r.logprobs} is out of range: ask for 0 to {self.max_logprobs} "
+                       "alternatives per "
                        "token", param="logprobs")
     if r.logprobs is not None: self.need_tokenizer("logprobs", "logprobs")
 
+# %% ../nbs/10_serve.ipynb #600ba453-1
 @patch
 def _engine_prompt(self: OpenAIServer, text, ids, sp, param):
-    try: self.engine.validate({"prompt_token_ids": ids}, sp)        # reads config only: safe off the engine thread
+    try: self.engine.validate({"prompt_token_ids": ids}, sp)        # reads config only: safe off its thread
     except ValueError as e:
         raise (_sp_error(e) if "SamplingParams." in str(e) else APIError(str(e), param=param)) from None
     return {"prompt": text, "prompt_token_ids": ids}
 
+# %% ../nbs/10_serve.ipynb #600ba453-2
 @patch
 def prepare_completion(self: OpenAIServer, r: CompletionRequest):
     "Validate a completion request, all of it; returns `(request_id, [(engine_request_id, prompt, params)])`."
@@ -547,9 +1065,11 @@ def prepare_completion(self: OpenAIServer, r: CompletionRequest):
     self._check_completion_fields(r)
     p = r.prompt
     prompts = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
-    if not prompts: raise APIError("prompt is empty: give a string, a list of strings, or token ids", param="prompt")
+    if not prompts:
+        raise APIError("prompt is empty: give a string, a list of strings, or token ids", param="prompt")
     if len(prompts) > MAX_PROMPTS:
-        raise APIError(f"{len(prompts)} prompts in one request; this server takes at most {MAX_PROMPTS}", param="prompt")
+        raise APIError(f"{len(prompts)} prompts in one request; this server takes at most {MAX_PROMPTS}",
+                       param="prompt")
     rid, items = _new_id("cmpl"), []
     for k, q in enumerate(prompts):
         if isinstance(q, str):
@@ -567,15 +1087,18 @@ def _content(c):
     return c if isinstance(c, str) or c is None else "".join(p.text for p in c)
 
 _TEMPLATE_OWN = {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
-                 "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+                 "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+                 "return_tensors",
                  "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
 
+# %% ../nbs/10_serve.ipynb #d546b00d-1
 @patch
 def render_chat(self: OpenAIServer, r):
     "The chat template's text for `r.messages` (a chat or a `/tokenize` request); template errors are 400s."
     tok = self.need_tokenizer("chat messages", "messages")
     if r.continue_final_message and r.add_generation_prompt:
-        raise APIError("continue_final_message needs add_generation_prompt=false", param="continue_final_message")
+        raise APIError("continue_final_message needs add_generation_prompt=false",
+                       param="continue_final_message")
     msgs = [{"role": "system" if m.role == "developer" else m.role, "content": _content(m.content) or "",
              **({"name": m.name} if m.name else {})} for m in r.messages]
     extra = {k: v for k, v in (r.chat_template_kwargs or {}).items() if k not in _TEMPLATE_OWN}
@@ -584,14 +1107,16 @@ def render_chat(self: OpenAIServer, r):
     except Exception as e:
         raise APIError(f"the chat template cannot render these messages: {e}", param="messages") from None
 
+# %% ../nbs/10_serve.ipynb #d546b00d-2
 @patch
 def prepare_chat(self: OpenAIServer, r: ChatCompletionRequest):
-    "Validate a chat request and apply its template; returns `(request_id, [(engine_request_id, prompt, params)])`."
+    "Validate a chat request and apply its template; returns `(request_id, [(engine_id, prompt, params)])`."
     self.check_model(r.model)
     if r.tools: raise APIError("tools are not supported by pagednb", param="tools")
     if r.echo: raise APIError("echo is not supported by pagednb", param="echo")
     k = r.top_logprobs
-    if k is not None and not r.logprobs: raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
+    if k is not None and not r.logprobs:
+        raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
     if k is not None and not 0 <= k <= self.max_logprobs:
         raise APIError(f"top_logprobs={k} is out of range: ask for 0 to {self.max_logprobs}",
                        param="top_logprobs")
@@ -613,6 +1138,7 @@ def _usage(outs):
     cached = {"cached_tokens": sum(o.num_cached_tokens for o in outs)}
     return dict(prompt_tokens=p, completion_tokens=c, total_tokens=p + c, prompt_tokens_details=cached)
 
+# %% ../nbs/10_serve.ipynb #c8538a4d-1
 def _lp(v):
     "A logprob as a JSON number: a `Logprob`'s `.logprob` or a float, -inf as vLLM's -9999.0."
     v = getattr(v, "logprob", v)
@@ -624,6 +1150,7 @@ def _tok_str(self: OpenAIServer, t, lp=None):
     s = getattr(lp, "decoded_token", None)
     return s if s is not None else self.tokenizer.decode([t])
 
+# %% ../nbs/10_serve.ipynb #5e1b7a21-1
 @patch
 def completion_logprobs(self: OpenAIServer, token_ids, lps, offset=0):
     "OpenAI's completions `logprobs` object: tokens, their logprobs, the top alternatives, text offsets."
@@ -646,12 +1173,14 @@ def chat_logprobs(self: OpenAIServer, token_ids, lps, k):
     return {"content": [{**one(t, lp.get(t)), "top_logprobs": [one(a, v) for a, v in top(lp)]}
                         for t, lp in zip(token_ids, lps)]}
 
+# %% ../nbs/10_serve.ipynb #5e1b7a22-1
 @patch
 def prompt_logprobs(self: OpenAIServer, out):
-    "vLLM's `prompt_logprobs`: per prompt token (None for the first) `{token_id: {logprob, rank, decoded_token}}`."
+    "vLLM's `prompt_logprobs`: per prompt token (None first) `{token_id: {logprob, rank, decoded_token}}`."
     plp = getattr(out, "prompt_logprobs", None)
     if plp is None: return None
-    def one(t, v): return dict(logprob=_lp(v), rank=getattr(v, "rank", None), decoded_token=self._tok_str(t, v))
+    def one(t, v):
+        return dict(logprob=_lp(v), rank=getattr(v, "rank", None), decoded_token=self._tok_str(t, v))
     return [None if d is None else {str(t): one(t, v) for t, v in d.items()} for d in plp]
 
 # %% ../nbs/10_serve.ipynb #97a59d5e
@@ -670,6 +1199,7 @@ async def collect(stream: RequestStream, request=None, poll=1.0):
     finally: stream.abort()
     return stream.last
 
+# %% ../nbs/10_serve.ipynb #97a59d5e-1
 def _sse(obj): return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 # %% ../nbs/10_serve.ipynb #9b50139b
@@ -680,6 +1210,7 @@ def _stream_error(e):
         e = APIError(f"internal error while streaming: {type(e).__name__}: {e}", 500)
     return _sse(e.body())
 
+# %% ../nbs/10_serve.ipynb #9b50139b-1
 def _sse_response(events):
     return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
@@ -690,7 +1221,7 @@ def _usage_opts(r):
 
 # %% ../nbs/10_serve.ipynb #5e1b7a26
 async def _sse_events(stream, items, head, choice, r, first=()):
-    "The SSE events of one streamed call: `first` choices, a `choice(delta, sent)` per delta, usage, `[DONE]`."
+    "The SSE events of one streamed call: `first` choices, `choice(delta, sent)` per delta, usage, `[DONE]`."
     usage, every = _usage_opts(r)
     sent, hold = {}, max(map(len, items[0][2].stop), default=1) - 1
     n_prompt = sum(len(p["prompt_token_ids"]) for _, p, _ in items)
@@ -711,6 +1242,7 @@ def _head(self: OpenAIServer, rid, obj, r):
     "The fields every response and chunk of API call `rid` starts with."
     return {"id": rid, "object": obj, "created": int(time.time()), "model": r.model or self.names[0]}
 
+# %% ../nbs/10_serve.ipynb #7d891663-1
 @patch
 async def completion_response(self: OpenAIServer, r: CompletionRequest, request=None):
     "Serve one `/v1/completions` request: a JSON body, or an SSE stream."
@@ -721,7 +1253,8 @@ async def completion_response(self: OpenAIServer, r: CompletionRequest, request=
         def choice(d, sent):
             offset = sent[(d.request_id, d.index)][0] - len(d.text)
             lp = self.completion_logprobs(d.token_ids, d.logprobs, offset)
-            return dict(index=base[d.request_id] + d.index, text=d.text, logprobs=lp, finish_reason=d.finish_reason)
+            i = base[d.request_id] + d.index
+            return dict(index=i, text=d.text, logprobs=lp, finish_reason=d.finish_reason)
         return _sse_response(_sse_events(stream, items, head, choice, r))
     last = await collect(stream, request)
     def whole(eid, o, out):
@@ -743,7 +1276,7 @@ async def chat_response(self: OpenAIServer, r: ChatCompletionRequest, request=No
             delta = {"content": d.text} if d.text or not d.finish_reason else {}
             lp = self.chat_logprobs(d.token_ids, d.logprobs, k)
             return {"index": d.index, "delta": delta, "finish_reason": d.finish_reason, "logprobs": lp}
-        role = {"role": "assistant", "content": ""}    # one role chunk per choice first, as OpenAI and vLLM send
+        role = {"role": "assistant", "content": ""}    # a role chunk per choice first, as OpenAI and vLLM
         roles = [{"index": i, "delta": role, "logprobs": None, "finish_reason": None} for i in range(r.n)]
         head = self._head(rid, "chat.completion.chunk", r)
         return _sse_response(_sse_events(stream, items, head, choice, r, roles))
@@ -766,11 +1299,13 @@ class TokenizeRequest(_Body):
     chat_template_kwargs: dict | None = None
     return_token_strs: bool | None = False
 
+# %% ../nbs/10_serve.ipynb #0db1c040-1
 class DetokenizeRequest(_Body):
     "The body of `POST /detokenize`."
     model: str | None = None
     tokens: list[int]
 
+# %% ../nbs/10_serve.ipynb #0db1c040-2
 @patch
 def tokenize(self: OpenAIServer, r: TokenizeRequest):
     "vLLM's `/tokenize` response for `r`."
@@ -785,6 +1320,7 @@ def tokenize(self: OpenAIServer, r: TokenizeRequest):
     strs = tok.convert_ids_to_tokens(ids) if r.return_token_strs else None
     return {"count": len(ids), "max_model_len": self.max_model_len, "tokens": ids, "token_strs": strs}
 
+# %% ../nbs/10_serve.ipynb #0db1c040-3
 @patch
 def detokenize(self: OpenAIServer, r: DetokenizeRequest):
     "vLLM's `/detokenize` response for `r`."
@@ -795,24 +1331,27 @@ def detokenize(self: OpenAIServer, r: DetokenizeRequest):
     return {"prompt": tok.decode(r.tokens)}
 
 # %% ../nbs/10_serve.ipynb #798c1621
-@patch
-def _snapshot(self: OpenAIServer, e):
-    bm, a = e.block_manager, self.aengine
+def _requests_of(seqs):
+    return len({s.request.request_id for s in seqs if getattr(s, "request", None) is not None})
+
+def core_snapshot(e, stats) -> dict:
+    "What `/metrics` reports, from engine `e` and the loop's `stats` (an `AsyncEngine`), between two steps."
+    bm = e.block_manager
     try: ok = bool(bm.check_invariants())
     except AssertionError as ex:
         ok = False
         logger.error("block manager invariant violated: %s", ex)
-    reqs = lambda seqs: len({s.request.request_id for s in seqs if getattr(s, "request", None) is not None})
     return dict(m=e.get_metrics(), used=bm.num_used_blocks, cached=bm.num_cached_free_blocks,
-                free=bm.num_free_blocks - bm.num_cached_free_blocks, ok=ok, running=reqs(e.scheduler.running),
-                waiting=reqs(e.scheduler.waiting), prompt_tokens=a.prompt_tokens, finished=dict(a.finished),
-                **{k: getattr(a, k).copy() for k in _HISTOGRAMS})
+                free=bm.num_free_blocks - bm.num_cached_free_blocks, ok=ok,
+                running=_requests_of(e.scheduler.running), waiting=_requests_of(e.scheduler.waiting),
+                prompt_tokens=stats.prompt_tokens,
+                finished=dict(stats.finished), **{k: getattr(stats, k).copy() for k in _HISTOGRAMS})
 
 _HISTOGRAMS = ("ttft", "itl", "e2e", "queue_time", "prompt_len", "output_len")
 _KNOWN = {"kv_cache_usage", "num_running", "num_waiting", "prefix_cache_queries", "prefix_cache_hits",
           "num_preemptions", "prompt_tokens", "generation_tokens", "num_blocks", "num_free_blocks",
           "prefix_cache_hit_rate"}
-_REASONS = ("stop", "length", "abort", "error", "repetition")     # vLLM's FinishReason, each sampled from the start
+_REASONS = ("stop", "length", "abort", "error", "repetition")     # vLLM's FinishReason, each reported from 0
 
 # %% ../nbs/10_serve.ipynb #bf53266f
 _VLLM_HISTOGRAMS = (("request_prompt_tokens", "prompt_len", "Number of prefill tokens processed."),
@@ -852,7 +1391,8 @@ def _pagednb_metrics(x, s):
     m = s["m"]
     x.gauge("pagednb:prefix_cache_hit_rate", "prefix_cache_hits / prefix_cache_queries since start.",
             m.get("prefix_cache_hit_rate", 0.0))
-    x.counter("pagednb:prompt_tokens_computed", "Prompt tokens the engine computed (prefix-cache hits excluded).",
+    x.counter("pagednb:prompt_tokens_computed",
+              "Prompt tokens the engine computed (prefix-cache hits excluded).",
               m["prompt_tokens"])
     x.family("pagednb:kv_blocks", "gauge", "KV cache blocks by state: used (in a block table), cached (free, "
              "reusable prefix), free.", [(dict(state=k), s[k]) for k in ("used", "cached", "free")])
@@ -862,6 +1402,7 @@ def _pagednb_metrics(x, s):
         if k not in _KNOWN and not k.startswith("spec_") and isinstance(v, (int, float)):
             x.gauge(f"pagednb:engine_{k}", f"engine.get_metrics()['{k}']", v)
 
+# %% ../nbs/10_serve.ipynb #f4648665-1
 def _spec_metrics(x, m):
     "pagednb's speculative-decoding gauges."
     x.gauge("pagednb:spec_decode_acceptance_rate", "Accepted / proposed draft tokens since start.",
@@ -872,10 +1413,11 @@ def _spec_metrics(x, m):
     x.family("pagednb:spec_decode_acceptance_rate_per_pos", "gauge",
              "Acceptance rate of the draft token at each position.", per_pos)
 
+# %% ../nbs/10_serve.ipynb #f4648665-2
 @patch
 async def metrics_text(self: OpenAIServer) -> str:
     "The Prometheus exposition of the engine's metrics."
-    s = await self.aengine.call(self._snapshot)
+    s = await self.aengine.snapshot()
     x = Exposition(dict(model_name=self.names[0], engine="0"))
     _vllm_metrics(x, s)
     _pagednb_metrics(x, s)
@@ -885,16 +1427,18 @@ async def metrics_text(self: OpenAIServer) -> str:
 _LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
 def default_allowed_hosts(host):
-    "The `Host` names a server bound to `host` accepts: any (`*`) for every interface, else loopback and `host`."
+    "The `Host` names a server bound to `host` accepts: any (`*`) on every interface, else loopback, `host`."
     if host in (None, "", "0.0.0.0", "::"): return ["*"]
     return sorted(set(_LOOPBACK_NAMES) | {host.lower().strip("[]")})
 
+# %% ../nbs/10_serve.ipynb #dd70294f-1
 def _host_name(h):
     "The host part of a `Host` header value, lower case, without port or IPv6 brackets."
     h = h.strip().lower()
     if h.startswith("["): return h[1:h.find("]")] if "]" in h else h
     return h.rsplit(":", 1)[0] if h.count(":") == 1 else h
 
+# %% ../nbs/10_serve.ipynb #dd70294f-2
 def _is_loopback(name):
     try: return ipaddress.ip_address(name).is_loopback
     except ValueError: return name in ("localhost", "localhost.")
@@ -927,6 +1471,7 @@ def too_big(self: _Guard):
     return APIError(f"the request body is larger than this server's limit of {self.max} bytes", 413,
                     code="request_too_large")
 
+# %% ../nbs/10_serve.ipynb #c1598310-1
 @patch
 def refusal(self: _Guard, scope, h):
     "The `APIError` a request's headers `h` earn (wrong Host, no key, too large, not JSON), or None."
@@ -976,8 +1521,9 @@ def _validation_error(exc):
     if len(errs) > 1: msg += f" (and {len(errs)-1} more problem{'s' if len(errs) > 2 else ''})"
     return APIError(msg, param=param)
 
+# %% ../nbs/10_serve.ipynb #60e0ab85-1
 def _handlers(app):
-    "Every error as OpenAI's error JSON: ours, FastAPI's validation errors, HTTP errors (404, 405, 413), bugs (500)."
+    "Every error as OpenAI's error JSON: ours, FastAPI's validation errors, HTTP errors, bugs (500)."
     @app.exception_handler(APIError)
     async def _api_error(request, exc): return exc.response()
     @app.exception_handler(RequestValidationError)
@@ -994,7 +1540,7 @@ def _handlers(app):
 
 # %% ../nbs/10_serve.ipynb #e3799652
 def build_app(server: OpenAIServer) -> FastAPI:
-    "The FastAPI app of an `OpenAIServer`: the engine thread starts and stops with the app."
+    "The FastAPI app of an `OpenAIServer`: the engine (thread or core process) stops with the app."
     @contextlib.asynccontextmanager
     async def lifespan(app):
         server.aengine.start()
@@ -1025,8 +1571,9 @@ def _routes(app, server):
         return PlainTextResponse(await server.metrics_text(), media_type="text/plain; version=0.0.4")
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [dict(id=n, object="model", created=server.created, owned_by="pagednb",
-                                                root=n, max_model_len=server.max_model_len) for n in server.names]}
+        def card(n): return dict(id=n, object="model", created=server.created, owned_by="pagednb", root=n,
+                                 max_model_len=server.max_model_len)
+        return {"object": "list", "data": [card(n) for n in server.names]}
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         return await server.completion_response(body, request)
@@ -1044,7 +1591,7 @@ def header_timeout_protocol(seconds=HEADER_TIMEOUT):
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
     class HeaderTimeoutH11(H11Protocol):
-        _timer = None                        # armed from a request's first byte until its headers are complete
+        _timer = None                        # armed from a request's first byte until its headers end
         def _arm(self): self._timer = self.loop.call_later(seconds, self._deadline)
         def _disarm(self):
             if self._timer is not None: self._timer.cancel()
@@ -1064,9 +1611,10 @@ def header_timeout_protocol(seconds=HEADER_TIMEOUT):
             super().connection_lost(exc)
     return HeaderTimeoutH11
 
+# %% ../nbs/10_serve.ipynb #67944744-1
 def uvicorn_config(app, host="127.0.0.1", port=8000, log_level="info", header_timeout=HEADER_TIMEOUT,
                    h11_max_incomplete_event_size=None, timeout_graceful_shutdown=5):
-    "The `uvicorn.Config` of a pagednb server: the header timeout, h11's cap on unfinished headers, a short keep-alive."
+    "The `uvicorn.Config` of a pagednb server: the header timeout, h11's header cap, a short keep-alive."
     import uvicorn
     return uvicorn.Config(app, host=host, port=port, log_level=log_level,
                           http=header_timeout_protocol(header_timeout),
@@ -1075,39 +1623,54 @@ def uvicorn_config(app, host="127.0.0.1", port=8000, log_level="info", header_ti
 
 # %% ../nbs/10_serve.ipynb #6a7c192f
 def _exit_when_dead(srv, dead_grace):
-    "An `on_dead` for `AsyncEngine`: `/health` says 503 for `dead_grace` s, then uvicorn stops."
+    "An `on_dead` for the engine: `/health` says 503 for `dead_grace` s, then uvicorn stops."
     def on_dead(ex):
         threading.Timer(dead_grace, lambda: setattr(srv, "should_exit", True)).start()
-        t = threading.Timer(dead_grace + 30, lambda: os._exit(1))     # if a connection keeps uvicorn from stopping
+        t = threading.Timer(dead_grace + 30, lambda: os._exit(1))     # if a connection keeps uvicorn up
         t.daemon = True
         t.start()
     return on_dead
 
-def serve(model=None, host="127.0.0.1", port=8000, api_key=None, served_model_name=None, uvicorn_log_level="info",
-          max_n=MAX_N, max_body_bytes=MAX_BODY_BYTES, max_logprobs=MAX_LOGPROBS, allowed_hosts=None,
-          enable_docs=False, h11_max_incomplete_event_size=None, header_timeout=HEADER_TIMEOUT, dead_grace=1.0,
+# %% ../nbs/10_serve.ipynb #6a7c192f-1
+def build_engine_client(model=None, disable_frontend_multiprocessing=None, **engine_kwargs):
+    "The engine of `serve`: a core process (`AsyncMPClient`), or an `AsyncEngine` thread here if disabled."
+    if disable_frontend_multiprocessing is None:             # vLLM's switch: VLLM_ENABLE_V1_MULTIPROCESSING=0
+        disable_frontend_multiprocessing = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
+    if disable_frontend_multiprocessing: return AsyncEngine(LLMEngine(model, **engine_kwargs))
+    return AsyncMPClient(model, **engine_kwargs)
+
+# %% ../nbs/10_serve.ipynb #serve-fn
+def serve(model=None, host="127.0.0.1", port=8000, api_key=None, served_model_name=None,
+          uvicorn_log_level="info", max_n=MAX_N, max_body_bytes=MAX_BODY_BYTES, max_logprobs=MAX_LOGPROBS,
+          allowed_hosts=None, enable_docs=False, h11_max_incomplete_event_size=None,
+          header_timeout=HEADER_TIMEOUT, dead_grace=1.0, disable_frontend_multiprocessing=None,
           **engine_kwargs):
     "Load `model` (default: the embedded SmolLM2-135M-Instruct) and serve the OpenAI API on `host:port`."
     import uvicorn
-    engine = LLMEngine(model, **engine_kwargs)
-    if engine.tokenizer is None:
-        raise ValueError(f"{model} has no tokenizer (tokenizer.json or tokenizer_config.json): pagednb serve needs one")
+    core = build_engine_client(model, disable_frontend_multiprocessing, **engine_kwargs)
+    if core.engine.tokenizer is None:
+        core.shutdown()
+        raise ValueError(f"{model} has no tokenizer (tokenizer.json or tokenizer_config.json): pagednb serve "
+                         "needs one")
     names = served_model_name or ([model] if model else None)
-    server = OpenAIServer(engine, names, api_key, max_n, max_body_bytes, max_logprobs,
-                          allowed_hosts or default_allowed_hosts(host), enable_docs)
+    hosts = allowed_hosts or default_allowed_hosts(host)
+    server = OpenAIServer(core, names, api_key, max_n, max_body_bytes, max_logprobs, hosts, enable_docs)
     config = uvicorn_config(build_app(server), host, port, uvicorn_log_level, header_timeout,
                             h11_max_incomplete_event_size)
     srv = uvicorn.Server(config)
-    server.aengine.on_dead = _exit_when_dead(srv, dead_grace)
-    print(f"pagednb: serving {server.names} on http://{host}:{port}/v1 (OpenAI API), /metrics, /health", flush=True)
-    srv.run()
-    if (err := server.aengine.error) is not None:
+    core.on_dead = _exit_when_dead(srv, dead_grace)
+    print(f"pagednb: serving {server.names} on http://{host}:{port}/v1 (OpenAI API), /metrics, /health",
+          flush=True)
+    try: srv.run()
+    finally: core.shutdown()                      # also when uvicorn could not start (a port in use)
+    if (err := core.error) is not None:
         raise EngineDeadError(f"the engine failed ({type(err).__name__}: {err}); restart the server")
 
 # %% ../nbs/10_serve.ipynb #5a9f3835
 class BackgroundServer:
-    "Run an ASGI app with uvicorn in a daemon thread on `host:port` (0: a free port); `.url`, `.stop()`, `with`."
-    def __init__(self, app, host="127.0.0.1", port=0, log_level="warning", timeout=60, header_timeout=HEADER_TIMEOUT):
+    "Run an ASGI app with uvicorn in a daemon thread on `host:port` (0: a free port); `.url`, `.stop()`."
+    def __init__(self, app, host="127.0.0.1", port=0, log_level="warning", timeout=60,
+                 header_timeout=HEADER_TIMEOUT):
         import uvicorn
         config = uvicorn_config(app, host, port, log_level, header_timeout, timeout_graceful_shutdown=2)
         self.server = uvicorn.Server(config)
@@ -1138,8 +1701,10 @@ async def _bench_level(base_url, api_key, model, concurrency, num_requests, max_
     async def one(i):
         async with sem:
             t0, last, n = time.perf_counter(), None, 0
-            s = await client.completions.create(model=model, prompt=f"{prompt} (request {i})", max_tokens=max_tokens,
-                                                temperature=0, stream=True, stream_options={"include_usage": True},
+            s = await client.completions.create(model=model, prompt=f"{prompt} (request {i})",
+                                                max_tokens=max_tokens,
+                                                temperature=0, stream=True,
+                                                stream_options={"include_usage": True},
                                                 extra_body={"ignore_eos": True})
             async for c in s:
                 now = time.perf_counter()
@@ -1153,13 +1718,15 @@ async def _bench_level(base_url, api_key, model, concurrency, num_requests, max_
     await asyncio.gather(*[one(i) for i in range(num_requests)])
     dt = time.perf_counter() - t0
     await client.close()
-    return dict(concurrency=concurrency, requests=num_requests, seconds=round(dt, 2), req_per_s=num_requests/dt,
+    return dict(concurrency=concurrency, requests=num_requests, seconds=round(dt, 2),
+                req_per_s=num_requests/dt,
                 output_tok_per_s=sum(ntok)/dt, ttft_p50_ms=1e3*_pct(ttft, 50), ttft_p99_ms=1e3*_pct(ttft, 99),
                 itl_p50_ms=1e3*_pct(itl, 50), itl_p99_ms=1e3*_pct(itl, 99))
 
+# %% ../nbs/10_serve.ipynb #cc9aaf30-1
 def benchmark_server(base_url, concurrency=(1, 8, 32, 128), num_requests=None, max_tokens=16, api_key="EMPTY",
                      model=None, prompt="Write a short story about a lighthouse keeper"):
-    "Load-test an OpenAI-compatible server at each concurrency; returns a dict of throughput and latency per level."
+    "Load-test an OpenAI-compatible server at each concurrency; returns throughput and latency per level."
     import concurrent.futures, httpx
     base_url = base_url.rstrip("/") + ("" if base_url.rstrip("/").endswith("/v1") else "/v1")
     auth = {"Authorization": f"Bearer {api_key}"}
@@ -1168,5 +1735,6 @@ def benchmark_server(base_url, concurrency=(1, 8, 32, 128), num_requests=None, m
     for c in concurrency:
         n = num_requests(c) if callable(num_requests) else num_requests or max(4, c)
         coro = _bench_level(base_url, api_key, model, c, n, max_tokens, prompt)
-        with concurrent.futures.ThreadPoolExecutor(1) as ex: rows.append(ex.submit(asyncio.run, coro).result())
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:
+            rows.append(ex.submit(asyncio.run, coro).result())
     return rows

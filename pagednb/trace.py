@@ -143,13 +143,14 @@ def _new_seq(self: Trace, seq, step):
 
 # %% ../nbs/08_trace.ipynb #c24e04cf
 def _scheduled_entries(plan) -> list:
-    "Per sequence that ran: seq, kind, start, n (and, on a speculative step, proposed and accepted)."
+    "Per sequence that ran: seq, kind, start, n (on a speculative step also proposed, accepted and bonus)."
     out, spec = [], getattr(plan, "spec", None) or {}          # spec: seq_id -> proposed, num_accepted
     for s in plan.scheduled:
         d = dict(seq=s.seq.seq_id, kind=s.kind, start=s.start, n=s.num_new_tokens)
         sp = spec.get(s.seq.seq_id)
         if sp:
             d.update(proposed=list(sp["proposed"]), accepted=sp["num_accepted"])
+            if "bonus" in sp: d["bonus"] = sp["bonus"]               # the last kept token: bonus or recovered
         out.append(d)
     return out
 
@@ -195,6 +196,9 @@ def record(self: Trace, engine, plan, sampled):
         sampled=_token_lists(sampled), kv=_kv_entry(engine, bm)))
     for toks in self.steps[-1]["sampled"].values():
         for t in toks:
+            self._piece(t)
+    for s in self.steps[-1]["scheduled"]:                      # drafts, rejected ones too, are drawn as text
+        for t in s.get("proposed", ()):
             self._piece(t)
 
 # %% ../nbs/08_trace.ipynb #9fabf2b9
@@ -328,6 +332,81 @@ def step(self: Trace, i) -> dict:
 # %% ../nbs/08_trace.ipynb #06a32b57
 @patch
 def __getitem__(self: Trace, i): return self.step(i)
+
+# %% ../nbs/08_trace.ipynb #h18-tr-index
+def _index(trace, i) -> int:
+    "Step `i` as a non-negative index (negative counts from the end), or a clear error."
+    n = len(trace.steps)
+    if not -n <= i < n: raise IndexError(f"step {i} is out of range: this trace has {n} steps")
+    return i % n
+
+# %% ../nbs/08_trace.ipynb #h18-tr-cow
+@patch
+def copy_on_write(self: Trace, i) -> list:
+    "Step `i`'s copies: source and destination page, the sequence and logical page holding the copy, the source's refs."
+    i = _index(self, i)
+    st = self.steps[i]
+    before = self.steps[i - 1]["ref"] if i else [0]*len(st["ref"])
+    out = []
+    for src, dst in st["copies"]:
+        who = [(int(k), s["table"].index(dst)) for k, s in st["seqs"].items() if dst in s["table"]]
+        sid, lg = who[0] if who else (None, None)
+        out.append(dict(src=src, dst=dst, seq=sid, logical=lg, src_ref_before=before[src],
+                        src_ref=st["ref"][src]))
+    return out
+
+# %% ../nbs/08_trace.ipynb #h18-tr-spec
+@patch
+def speculation(self: Trace, i) -> list:
+    "Step `i`'s speculative sequences: each draft's fate, the bonus or recovered token, and the slots given back."
+    i = _index(self, i)
+    st = self.steps[i]
+    return [self._drafts(st, s) for s in st["scheduled"] if "proposed" in s]
+
+# %% ../nbs/08_trace.ipynb #h18-tr-drafts
+@patch
+def _drafts(self: Trace, st, s) -> dict:
+    "One sequence's drafts in compact step `st`: tokens, positions and fates, the last kept token, slots given back."
+    a, d, start = s["accepted"], s["proposed"], s["start"]
+    kept = st["sampled"].get(str(s["seq"]), [])
+    last = s.get("bonus", kept[-1] if kept else None)
+    fates = ["accepted"]*a + ["rejected"]*(len(d) - a)
+    drafts = [dict(token=t, text=self.text_of([t]), position=start + 1 + j, fate=f) for j, (t,
+                                                                                            f) in enumerate(zip(d, fates))]
+    extra = dict(token=last, text=self.text_of([last]), position=start + 1 + a,
+                 fate="bonus" if a == len(d) else "recovered")
+    return dict(seq=s["seq"], start=start, proposed=list(d), accepted=a, drafts=drafts, kept=extra,
+                **self._given_back(st, s))
+
+# %% ../nbs/08_trace.ipynb #h18-tr-given
+@patch
+def _given_back(self: Trace, st, s) -> dict:
+    "The slots of `s`'s rejected drafts that its block table no longer uses after `st`, and the pages released whole."
+    bs, k = self.meta["block_size"], str(s["seq"])
+    table = st["seqs"].get(k, {}).get("table")
+    if table is None: return dict(slots=[],
+                                  released=[])              # finished in this step: every page went back
+    full = table + [b for b in st["allocated"].get(k, []) if b not in table]   # the table during the forward
+    lo, hi = s["start"] + s["accepted"] + 2, s["start"] + s["n"]           # past the last kept token
+    slots = [[full[p//bs], p % bs] for p in range(lo, hi) if p//bs < len(full)]
+    return dict(slots=slots, released=full[len(table):])
+
+# %% ../nbs/08_trace.ipynb #h18-tr-latency
+@patch
+def latency(self: Trace) -> dict:
+    "Per sequence: arrival, time to first token, each token's time (with the token), the gaps and the longest gap."
+    got = {}
+    for st in self.steps:
+        for k, toks in st["sampled"].items(): got.setdefault(k, []).extend((st["time"], t) for t in toks)
+    out = {}
+    for k, e in self.seqs.items():
+        t0 = self.steps[e["first_step"] - 1]["time"] if e["first_step"] else 0.0
+        ts = [t for t, _ in got.get(k, [])]
+        gaps = [round(b - a, 6) for a, b in zip(ts, ts[1:])]
+        out[int(k)] = dict(request=e["request"], arrival=t0, ttft=round(ts[0] - t0, 6) if ts else None,
+                           times=ts,
+                           tokens=[t for _, t in got.get(k, [])], gaps=gaps, max_gap=max(gaps, default=None))
+    return out
 
 # %% ../nbs/08_trace.ipynb #27d21f94
 @patch

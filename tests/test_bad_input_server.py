@@ -28,9 +28,11 @@ def parts(model_dir):
     from pagednb.model import load_model
     return load_model(model_dir, dtype="float32", device="cpu")
 
+ENGINE_KW = {"max_model_len": 256, "num_gpu_blocks_override": 256, "max_num_batched_tokens": 256, "log": False}
+
 def make_engine(parts, **kw):
     from pagednb.engine import LLMEngine
-    return LLMEngine(parts, **{"max_model_len": 256, "num_gpu_blocks_override": 256, "max_num_batched_tokens": 256, "log": False, **kw})
+    return LLMEngine(parts, **{**ENGINE_KW, **kw})
 
 @pytest.fixture(scope="module")
 def reference(parts):
@@ -42,10 +44,13 @@ def reference(parts):
     prompts = [GOOD["prompt"]] + [f"Good request {i} says" for i in range(8)]
     return {p: o.outputs[0].text for p, o in zip(prompts, llm.generate(prompts, sp, use_tqdm=False))}
 
-@pytest.fixture(scope="module")
-def server(parts, reference):
-    from pagednb.serve import OpenAIServer, BackgroundServer, build_app
-    srv = OpenAIServer(make_engine(parts), "tiny", api_key=KEY)
+@pytest.fixture(scope="module", params=["core process", "engine thread"])
+def server(request, parts, model_dir, reference):
+    """The server every bad input is sent to: its engine in a core process of its own (as `pagednb serve` runs it),
+    then in a thread of the server's process."""
+    from pagednb.serve import OpenAIServer, BackgroundServer, build_app, AsyncMPClient
+    core = AsyncMPClient(model_dir, dtype="float32", **ENGINE_KW) if request.param == "core process" else make_engine(parts)
+    srv = OpenAIServer(core, "tiny", api_key=KEY)
     with BackgroundServer(build_app(srv), header_timeout=1.0) as bg: yield bg.url
 
 def post(url, path, timeout=60, headers=None, **kw):
@@ -106,7 +111,7 @@ CASES = [  # (what, path, request kwargs, status, param)
     ("unknown role", "/v1/chat/completions", dict(json={"messages": [{"role": "robot", "content": "hi"}]}), 400, "messages.0.role"),
     ("no messages", "/v1/chat/completions", dict(json={"messages": []}), 400, "messages"),
     ("body over 1 MiB", "/v1/completions", dict(json={"prompt": "a" * (1 << 20)}), 413, None),
-    ("chunked body over 1 MiB", "/v1/completions", dict(content=(b"x" * 65536 for _ in range(20)),
+    ("chunked body over 1 MiB", "/v1/completions", dict(content=[b"x" * 65536] * 20,
                                                           headers={"Content-Type": "application/json"}), 413, None),
     ("text/plain body", "/v1/completions", dict(content=b'{"prompt": "hi"}', headers={"Content-Type": "text/plain"}), 415, None),
     ("form body", "/v1/completions", dict(content=b"prompt=hi", headers={"Content-Type": "application/x-www-form-urlencoded"}), 415, None),
@@ -281,9 +286,10 @@ step = E.LLMEngine.step
 def failing_step(self):                       # test-only: a step fails once a request asks for it
     if any("BOOM" in (r.prompt or "") for r in self.requests.values()): raise RuntimeError("simulated engine failure")
     return step(self)
-E.LLMEngine.step = failing_step
-from pagednb.cli import main
-main(sys.argv[1:])
+E.LLMEngine.step = failing_step               # at import: the engine core process (spawned) imports this file too
+if __name__ == "__main__":
+    from pagednb.cli import main
+    main(sys.argv[1:])
 """
 
 def _free_port():
@@ -291,14 +297,17 @@ def _free_port():
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
-def test_dead_engine_exits_nonzero(model_dir):
+@pytest.mark.parametrize("mode", [[], ["--disable-frontend-multiprocessing"]], ids=["core process", "engine thread"])
+def test_dead_engine_exits_nonzero(model_dir, tmp_path, mode):
     "step() raising: every waiting client gets an error at once, /health answers 503, and the process exits non-zero."
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    script = tmp_path / "dead_engine.py"
+    script.write_text(DEAD_ENGINE)
     with tempfile.TemporaryFile("w+") as log:
-        p = subprocess.Popen([sys.executable, "-c", DEAD_ENGINE, "serve", str(model_dir), "--port", str(port), "--max-model-len", "256",
-                              "--num-gpu-blocks-override", "64", "--uvicorn-log-level", "warning", "--dtype", "float32"],
+        p = subprocess.Popen([sys.executable, str(script), "serve", str(model_dir), "--port", str(port), "--max-model-len", "256",
+                              "--num-gpu-blocks-override", "64", "--uvicorn-log-level", "warning", "--dtype", "float32", *mode],
                              stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             t0 = time.time()

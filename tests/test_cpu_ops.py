@@ -165,7 +165,8 @@ def test_engine_fuses_once_and_model_still_works(tmp_path, monkeypatch):
         assert plain.engine.runner.fused == 0 and type(unfused_parts[0].model.layers[0]).__name__ == "DecoderLayer"
         want = [o.outputs[0].token_ids for o in plain.generate(prompts, sp, use_tqdm=False)]
     first = LLM(parts, log=False, num_gpu_blocks_override=64, max_model_len=128)
-    assert first.engine.runner.fused == 2 and first.engine.runner.packed == 2 * 4 + 1
+    assert first.engine.runner.fused == 2
+    assert first.engine.runner.packed == 0                           # every tiny weight is under PACK_MIN_NUMEL
     second = LLM(parts, log=False, num_gpu_blocks_override=64, max_model_len=128)     # the same model object, already fused
     assert second.engine.runner.fused == 0 and second.engine.runner.packed == 0
     for llm in (first, second):

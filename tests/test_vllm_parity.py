@@ -23,6 +23,8 @@ PAGEDNB_ONLY = {
                                   "SamplingParams so that LLM.generate honours it too",
     },
     "serve_flags": {
+        "--disable-frontend-multiprocessing": "runs the engine in a thread of the API server; vLLM 0.32 switches this "
+                                              "with VLLM_ENABLE_V1_MULTIPROCESSING=0 (older vLLM had this flag)",
         "--max-n": "caps a request's `n` so one request cannot fill a small CPU's KV cache; vLLM has no cap",
         "--max-request-body-bytes": "answers 413 to oversized bodies before parsing them; vLLM leaves this to a proxy",
         "--allowed-hosts": "checks the Host header against the bound address (DNS rebinding): a keyless local server "

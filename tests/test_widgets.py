@@ -106,7 +106,7 @@ def test_step_back_reset_change_exactly_what_they_should(run):
     assert after["map"] != before["map"] and after["batch"] != before["batch"]
     assert after["memory"][:-1] == before["memory"][:-1]          # ... the memory series do not move, only the cursor
     assert list(after["memory"][-1]["x"]) == [1, 1] and list(before["memory"][-1]["x"]) == [0, 0]
-    assert [d.to_plotly_json() for d in st.figs["map"].data[6:]] == before["map"][6:]   # legend entries untouched
+    assert [d.to_plotly_json() for d in st.figs["map"].data[8:]] == before["map"][8:]   # legend entries untouched
     st.back(); assert figdata(st) == before
     st.go(len(tr) + 10); assert st.index == len(tr) - 1 and st.slider.value == len(tr) - 1
     st.reset(); assert figdata(st) == before and st.index == 0

@@ -42,6 +42,9 @@ OPENINGS = {
                     "`08_trace`; Jupyter or the docs site"),
     "09_benchmarks": ("throughput, memory and latency beside Hugging Face, vLLM and GuideLLM, measured side by side",
                       "`06b_engine`; optional peers in their own environments"),
+    "09a_capacity": ("what vLLM's knobs do to a workload on a GPU you do not have: the real scheduler and block manager "
+                     "stepped with a roofline cost model, calibrated and checked against this CPU",
+                     "`05_scheduler`, `06_runner`, `08a_widgets`; a CPU is enough"),
     "10_serve": ("an OpenAI-compatible server (`vllm serve`) over the engine", "`06b_engine`"),
     "11_cli": ("the command line", "`10_serve`"),
 }

@@ -1,0 +1,168 @@
+"""`pagednb serve` with its engine core in a process of its own: a dead core is reported to every open stream and by
+/health, a slow client holds up no other stream, and no process outlives the server.
+
+A tiny random-weight Llama with SmolLM2's tokenizer keeps the steps cheap; the servers are real `pagednb serve`
+processes (the default mode: an API server process and an engine core process)."""
+import asyncio, json, os, shutil, signal, socket, subprocess, sys, tempfile, time
+import httpx, psutil, pytest
+
+GOOD = dict(prompt="The capital of France is", max_tokens=4, temperature=0, ignore_eos=True)
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    "A tiny random Llama with SmolLM2's tokenizer and chat template, saved as a Hugging Face folder."
+    from helpers import tiny_hf_model
+    from pagednb.model import embedded_model_path
+    path = tmp_path_factory.mktemp("tiny")
+    tiny_hf_model("llama", path, vocab_size=49152, max_position_embeddings=512)
+    src = embedded_model_path()
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
+        if (src/f).exists(): shutil.copy(src/f, path/f)
+    return path
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+class Server:
+    "A `pagednb serve` process over the tiny model; `core()` is its engine core process (a psutil.Process)."
+    def __init__(self, model_dir, *args):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.TemporaryFile("w+")
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        cmd = [sys.executable, "-m", "pagednb.cli", "serve", str(model_dir), "--port", str(self.port), "--dtype", "float32",
+               "--max-model-len", "512", "--num-gpu-blocks-override", "512", "--uvicorn-log-level", "warning", *args]
+        self.p = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        t0 = time.time()
+        while True:
+            assert self.p.poll() is None and time.time() - t0 < 180, f"the server did not start:\n{self.output()}"
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200: break
+            except httpx.HTTPError: pass
+            time.sleep(0.3)
+        self.family = psutil.Process(self.p.pid).children(recursive=True)     # the core, multiprocessing's helpers
+    def core(self):
+        "The engine core process: the spawned child that runs `spawn_main`."
+        return next(c for c in self.family if any("spawn_main" in a for a in c.cmdline()))
+    def output(self):
+        self.log.seek(0)
+        return self.log.read()[-3000:]
+    def stop(self):
+        if self.p.poll() is None: self.p.kill()
+        for c in self.family:
+            if c.is_running(): c.kill()
+        self.log.close()
+
+def left_behind(procs, timeout=20):
+    "The processes of `procs` still alive after `timeout` seconds."
+    gone, alive = psutil.wait_procs(procs, timeout=timeout)
+    return [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+def test_core_is_a_process_of_its_own(model_dir):
+    "The default `pagednb serve` runs two processes; --disable-frontend-multiprocessing runs one."
+    two, one = Server(model_dir), None
+    try:
+        assert two.core().pid != two.p.pid
+        r = httpx.post(two.url + "/v1/completions", json=GOOD, timeout=60).json()
+        assert r["usage"]["completion_tokens"] == 4
+        one = Server(model_dir, "--disable-frontend-multiprocessing")
+        assert not any("spawn_main" in " ".join(c.cmdline()) for c in one.family)
+        assert httpx.post(one.url + "/v1/completions", json=GOOD, timeout=60).json()["choices"][0]["text"] == r["choices"][0]["text"]
+    finally:
+        two.stop()
+        if one is not None: one.stop()
+
+def test_killed_core_fails_every_open_stream(model_dir):
+    """SIGKILL to the core mid-stream: every open stream ends with an error event and [DONE], /health says 503, the
+    server exits with status 1 and leaves no process behind."""
+    srv = Server(model_dir)
+    try:
+        async def run():
+            async with httpx.AsyncClient(base_url=srv.url, timeout=60) as c:
+                started = asyncio.Event()
+                async def stream(i):
+                    body = dict(GOOD, prompt=f"Stream {i} says", max_tokens=400, stream=True)
+                    async with c.stream("POST", "/v1/completions", json=body) as r:
+                        lines = []
+                        async for l in r.aiter_lines():
+                            if l.startswith("data: "): lines.append(l)
+                            if len(lines) == 2 and i == 3: started.set()
+                        return lines
+                tasks = [asyncio.create_task(stream(i)) for i in range(4)]
+                await asyncio.wait_for(started.wait(), 60)
+                await asyncio.sleep(0.2)                                 # every stream is under way ...
+                srv.core().kill()                                        # ... when the core dies
+                t0 = time.time()
+                res = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+                return res, time.time() - t0, (await c.get("/health")).status_code
+        streams, seconds, health = asyncio.run(run())
+        assert seconds < 10, seconds
+        for lines in streams:
+            assert lines[-1] == "data: [DONE]", lines[-3:]
+            err = json.loads(lines[-2][6:])["error"]
+            assert err["type"] == "internal_server_error" and "engine core process" in err["message"], err
+        assert health == 503
+        assert srv.p.wait(60) == 1, srv.output()
+        assert "pagednb serve: error: the engine failed" in srv.output()
+        assert left_behind(srv.family) == []
+    finally: srv.stop()
+
+def _slow_client(url, body):
+    "A client that sends a streaming request and then reads nothing, with a tiny receive window."
+    host, port = url.removeprefix("http://").split(":")
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.connect((host, int(port)))
+    data = json.dumps(body).encode()
+    s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+              f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return s
+
+def test_slow_client_does_not_stall_others(model_dir):
+    "While one client reads nothing of a large stream, other streams run at their usual pace and /health answers."
+    srv = Server(model_dir)
+    try:
+        async def streams(n):
+            async with httpx.AsyncClient(base_url=srv.url, timeout=60) as c:
+                async def one(i):
+                    body = dict(GOOD, prompt=f"Fast client {i} says", max_tokens=24, stream=True)
+                    async with c.stream("POST", "/v1/completions", json=body) as r:
+                        lines = [l async for l in r.aiter_lines() if l.startswith("data: ")]
+                    return "".join(json.loads(l[6:])["choices"][0]["text"] for l in lines[:-1])
+                t0 = time.time()
+                texts = await asyncio.gather(*[one(i) for i in range(n)])
+                return texts, time.time() - t0
+        alone, t_alone = asyncio.run(streams(4))
+        slow = _slow_client(srv.url, dict(GOOD, max_tokens=400, n=16, logprobs=5, temperature=1.0, stream=True))
+        try:
+            time.sleep(1.0)                                                     # the slow stream is running
+            beside, t_beside = asyncio.run(streams(4))
+            assert beside == alone                                              # greedy: the same text
+            assert t_beside < max(20.0, 5*t_alone), (t_alone, t_beside)
+            assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
+        finally: slow.close()
+        t0 = time.time()
+        while True:                                                             # its pages come back
+            text = httpx.get(srv.url + "/metrics", timeout=30).text
+            used = next(float(l.rsplit(" ", 1)[1]) for l in text.splitlines() if l.startswith('pagednb:kv_blocks{') and 'state="used"' in l)
+            if used == 0: break
+            assert time.time() - t0 < 60, "the slow client's request was not aborted"
+            time.sleep(0.3)
+    finally: srv.stop()
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT", "SIGKILL"])
+def test_shutdown_leaves_no_process(model_dir, how):
+    """SIGTERM or Ctrl-C: the server stops its core and exits (uvicorn re-raises the signal once it has shut down);
+    SIGKILL: the core notices the closed pipe and exits too."""
+    srv = Server(model_dir)
+    try:
+        core = srv.core()
+        assert httpx.post(srv.url + "/v1/completions", json=GOOD, timeout=60).status_code == 200
+        srv.p.send_signal(getattr(signal, how))
+        srv.p.wait(60)
+        assert "Traceback" not in srv.output(), srv.output()
+        assert left_behind(srv.family) == [], [p.cmdline() for p in srv.family if p.is_running()]
+        assert not core.is_running() or core.status() == psutil.STATUS_ZOMBIE
+    finally: srv.stop()

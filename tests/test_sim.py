@@ -1,0 +1,99 @@
+"""The capacity simulator (`09a_capacity`): memory as the engine sizes it, the real scheduler in simulated
+time, and the seed article's arithmetic."""
+import json
+import pytest
+from pagednb import sim as S
+from pagednb.trace import Trace
+
+def A100(**kw): return S.Simulator("Llama-2-13B", "A100-40GB", max_model_len=2048, log=False, **kw)
+
+def test_seed_weights_are_65_percent_of_an_a100_40gb():
+    m = A100().memory
+    assert abs(m["weights"]/1e9 - 26.0) < 0.1 and abs(m["weights"]/40e9 - 0.65) < 0.01
+    assert m["kv_bytes_per_token"] == 2*40*40*128*2                      # 800 KiB per token
+
+def test_max_concurrency_grows_with_utilization():
+    c = [A100(gpu_memory_utilization=u).memory["max_concurrency"] for u in (0.8, 0.9, 0.95)]
+    assert c[0] < c[1] < c[2] and 4 < c[0] < 5 and 6.5 < c[1] < 7.5 and 7.5 < c[2] < 9
+
+def test_contiguous_waste_against_paged():
+    w = A100().waste(S.seed_workload(60))
+    assert 0.6 <= w["contiguous"] <= 0.8 and w["paged"] < 0.04
+
+def test_start_up_line_matches_the_engine(tmp_path, monkeypatch):
+    from pagednb import LLM
+    from helpers import tiny_hf_model
+    tiny_hf_model("llama", tmp_path)
+    llm = LLM(str(tmp_path), kv_cache_memory_bytes=1 << 20, max_model_len=128, log=False)
+    monkeypatch.setitem(S.COST_MODELS, "cpu", S.CostModel(1e11, 1e10))      # as if calibrated
+    sim = S.Simulator(str(tmp_path), "cpu", log=False, **S.engine_knob_values(llm))
+    assert sim.kv_line == llm.engine.kv_line and sim.num_blocks == llm.engine.block_manager.num_blocks
+
+def test_model_that_does_not_fit_gets_the_engines_error():
+    with pytest.raises(ValueError, match=r"weights \(24.24 GiB\)"):
+        S.Simulator("Llama-2-13B", "T4", log=False)
+
+def test_unknown_gpu_and_model_list_the_known_ones():
+    with pytest.raises(ValueError, match="H100-80GB"): S.Simulator("Llama-2-13B", "H300")
+    with pytest.raises(ValueError, match="Mistral-7B"): S.Simulator("Llama-5", "H200")
+    with pytest.raises(TypeError, match="gpu_memory_utilization"):
+        S.Simulator("Llama-2-13B", gpu_mem_util=0.9)
+
+def test_bad_workload_fields_are_named():
+    with pytest.raises(ValueError, match="rate"): S.poisson(-1, 10)
+    with pytest.raises(ValueError, match="prompt_len"): S.offline(3, 0, 10)
+    with pytest.raises(ValueError, match="max_model_len=2048"): A100().run(S.offline(2, 2000, 100))
+
+def test_config_json_path(tmp_path):
+    (tmp_path/"config.json").write_text(json.dumps(S.MODELS["Llama-3-8B"]))
+    assert S.Simulator(str(tmp_path), "H100-80GB", log=False).memory["kv_bytes_per_token"] == 2*32*8*128*2
+
+def test_run_uses_the_real_scheduler_and_records_a_trace():
+    r = A100().run(S.shared_prompt(8, 64, 16, (4, 8), rate=10), trace=True)
+    assert isinstance(r.trace, Trace) and r.trace.meta["simulated"]
+    assert len(r.trace) == r.metrics["num_steps"]
+    times = [s["time"] for s in r.trace.steps]
+    assert times == sorted(times) and r.metrics["prefix_cache_hit_rate"] > 0
+    want = sum(q.output_len for q in S.shared_prompt(8, 64, 16, (4, 8)).requests)
+    assert r.metrics["generation_tokens"] == want
+    Trace.from_dict(json.loads(r.trace.to_json()))                      # serialisable, as the widgets read it
+
+def test_prefix_caching_cuts_ttft_and_closed_loop_keeps_concurrency():
+    w = S.shared_prompt(24, 1024, 32, 32, rate=8)
+    on, off = A100().run(w).metrics, A100(enable_prefix_caching=False).run(w).metrics
+    assert on["ttft_p50"] < off["ttft_p50"]
+    r = A100().run(S.concurrent(4, 12, 100, 20))
+    assert max(len([1 for q in r.requests if q["arrival_time"] <= t < q["finished_time"]])
+               for t in [q["arrival_time"] for q in r.requests]) <= 4
+
+def test_speculation_emits_more_than_one_token_per_step():
+    spec = dict(method="ngram", num_speculative_tokens=4, acceptance_rate=0.8)
+    m = A100(speculative_config=spec).run(S.concurrent(1, 2, 100, 64)).metrics
+    assert m["spec_mean_accepted_length"] > 2 and m["num_steps"] < 2*64
+    with pytest.raises(ValueError, match="acceptance_rate"):
+        A100(speculative_config=dict(method="ngram")).run(S.offline(1, 10, 4))
+
+def test_sweep_and_fit_recover_a_known_cost():
+    rows = A100().sweep("gpu_memory_utilization", [0.8, 0.95], S.seed_workload(20))
+    assert rows[0]["max_concurrency"] < rows[1]["max_concurrency"]
+    fake = S.CostModel(2e11, 3e10, 1, 0.5, 1, 0.01, 5e-4)
+    sh = S.model_shape(S.model_config("SmolLM2-135M"), 4)
+    shapes = [[(1, c)]*b for b in (1, 8, 32) for c in (16, 900)]
+    shapes += [[(p, 0)]*b for p in (128, 512) for b in (1, 8)]
+    samples = [(f, fake.step_time(f)) for f in (S.step_features(sh, bt, len(bt)) for bt in shapes)]
+    assert abs(S.relative_errors(S.cost_from_fit(S.fit_cost(samples)), samples)).max() < 1e-3
+
+def test_hub_id_fetches_config_json_only(monkeypatch, tmp_path):
+    (tmp_path/"config.json").write_text(json.dumps(S.MODELS["Mistral-7B"]))
+    asked = []
+    monkeypatch.setattr(S, "_hub_config", lambda r: asked.append(r) or str(tmp_path/"config.json"))
+    assert S.model_config("mistralai/Mistral-7B-v0.1").num_key_value_heads == 8
+    assert asked == ["mistralai/Mistral-7B-v0.1"]
+
+def test_prints_the_engine_start_up_line(capsys):
+    S.Simulator("Llama-3-8B", "H100-80GB", max_model_len=4096)
+    out = capsys.readouterr().out
+    assert "KV cache: " in out and " blocks × 16 tokens = " in out
+    assert "max concurrency at max_model_len: " in out
+    assert "bfloat16" in out
+    assert S.Simulator("SmolLM2-135M", "T4", max_model_len=1024, log=False).dtype == "float16"
