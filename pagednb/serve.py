@@ -738,9 +738,9 @@ def _stop(self: AsyncMPClient, ex):
         self._dest.clear()
         self._acc.clear()
         self._calls.clear()
+    if ex is not None and self.on_dead is not None: self.on_dead(ex)   # /health fails before a client hears
     for dest in dests: dest(err)
     for reply in calls: reply(False, err)
-    if ex is not None and self.on_dead is not None: self.on_dead(ex)
 
 # %% ../nbs/10_serve.ipynb #core-submit
 @patch

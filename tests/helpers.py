@@ -34,3 +34,13 @@ def chat_ids(tok, conversations):
     "Token ids of each conversation (a list of `{role, content}` messages, or one user message as a string), ready for the assistant's turn."
     convs = [[{"role": "user", "content": c}] if isinstance(c, str) else c for c in conversations]
     return [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True, return_dict=False) for c in convs]
+
+def tiny_chat_model(path):
+    "A tiny random Llama with SmolLM2's tokenizer and chat template, saved as a Hugging Face folder at `path`."
+    import shutil
+    from pagednb.model import embedded_model_path
+    tiny_hf_model("llama", path, vocab_size=49152, max_position_embeddings=512)
+    src = embedded_model_path()
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
+        if (src/f).exists(): shutil.copy(src/f, path/f)
+    return path

@@ -11,14 +11,8 @@ GOOD = dict(prompt="The capital of France is", max_tokens=4, temperature=0, igno
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     "A tiny random Llama with SmolLM2's tokenizer and chat template, saved as a Hugging Face folder."
-    from helpers import tiny_hf_model
-    from pagednb.model import embedded_model_path
-    path = tmp_path_factory.mktemp("tiny")
-    tiny_hf_model("llama", path, vocab_size=49152, max_position_embeddings=512)
-    src = embedded_model_path()
-    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
-        if (src/f).exists(): shutil.copy(src/f, path/f)
-    return path
+    from helpers import tiny_chat_model
+    return tiny_chat_model(tmp_path_factory.mktemp("tiny"))
 
 def _free_port():
     with socket.socket() as s:
