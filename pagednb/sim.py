@@ -669,13 +669,15 @@ def capacity_widget(model="Llama-2-13B", device="A100-40GB", max_map_blocks=2048
               max_model_len=d([2048, 4096], 2048, "max len"),
               enable_prefix_caching=W.Checkbox(value=True, description="prefix caching"))
     out, button = W.Output(), W.Button(description="Simulate", button_style="primary")
-    def go(_=None):
+    def run():
+        "The simulator and its run for the knobs set now."
         knobs = {k: w.value for k, w in ui.items() if k not in ("model", "device", "workload")}
+        s = Simulator(ui["model"].value, ui["device"].value, **knobs)
+        return s, s.run(WORKLOADS[ui["workload"].value]())
+    def go(_=None):
         out.clear_output()
         with out:
-            try:
-                s = Simulator(ui["model"].value, ui["device"].value, **knobs)
-                r = s.run(WORKLOADS[ui["workload"].value]())
+            try: s, r = run()
             except (ValueError, RuntimeError) as e: return print(f"{type(e).__name__}: {e}")
             display(W.HTML(metrics_html(r.metrics)))
             if s.num_blocks <= max_map_blocks and r.snapshot: display(plot_memory_map(r.snapshot))
@@ -684,7 +686,7 @@ def capacity_widget(model="Llama-2-13B", device="A100-40GB", max_map_blocks=2048
     box = W.VBox([W.HBox([ui["model"], ui["device"], ui["workload"]]), W.HBox([ui["gpu_memory_utilization"],
                   ui["max_num_batched_tokens"], ui["max_num_seqs"]]), W.HBox([ui["max_model_len"],
                   ui["enable_prefix_caching"], button]), out])
-    box.controls, box.output, box.simulate = ui, out, go
+    box.controls, box.output, box.simulate, box.run = ui, out, go, run
     return box
 
 # %% ../nbs/09a_capacity.ipynb #sim-812ed456
