@@ -591,8 +591,7 @@ def _commit(self: LLMEngine, plan, result: StepResult):
 def _account(self: LLMEngine, plan, result):
     "Count the step's prompt and generated tokens, and each request's cached tokens."
     for sc in plan.scheduled:
-        if sc.start < sc.seq.num_prompt_tokens:
-            self.stats["prompt_tokens"] += min(sc.num_new_tokens, sc.seq.num_prompt_tokens - sc.start)
+        self.stats["prompt_tokens"] += sc.num_prompt_tokens
         m = sc.seq.request.metrics
         m.num_cached_tokens = max(m.num_cached_tokens, sc.seq.num_cached_tokens)
     self.stats["generation_tokens"] += sum(len(toks) for toks, _ in result.tokens.values())

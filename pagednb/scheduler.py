@@ -62,6 +62,11 @@ def input_ids(self: ScheduledSeq):
     own = self.seq.token_ids[self.start:self.start + self.num_new_tokens - len(self.draft_tokens)]
     return own + self.draft_tokens
 
+@patch(as_prop=True)
+def num_prompt_tokens(self: ScheduledSeq) -> int:
+    "How many of this step's new tokens are prompt tokens (a recomputed prompt counts again)."
+    return max(0, min(self.num_new_tokens, self.seq.num_prompt_tokens - self.start))
+
 # %% ../nbs/05_scheduler.ipynb #752bfe24
 @dataclass
 class StepPlan:

@@ -495,8 +495,7 @@ def _emit(self: SimEngine, seq, tokens) -> bool:
 def _account(self: SimEngine, plan, toks):
     "The engine's token and step counters (`LLMEngine._account`)."
     for sc in plan.scheduled:
-        if sc.start < sc.seq.num_prompt_tokens:
-            self.stats["prompt_tokens"] += min(sc.num_new_tokens, sc.seq.num_prompt_tokens - sc.start)
+        self.stats["prompt_tokens"] += sc.num_prompt_tokens
         sc.seq.record["cached"] = max(sc.seq.record["cached"], sc.seq.num_cached_tokens)
     self.stats["generation_tokens"] += sum(len(t) for t in toks.values())
     self.stats["steps"] += 1

@@ -3,7 +3,7 @@ every kind of bad input, each next to a good request that must still come back r
 
 Tally (printed by test_bad_inputs_one_by_one, run with -s to see it): every case is tried, every one must be a clear
 4xx error in OpenAI's shape naming the field, and the goal for 500s is 0."""
-import asyncio, json, os, shutil, socket, subprocess, sys, tempfile, time
+import asyncio, json, os, socket, subprocess, sys, tempfile, time
 from concurrent.futures import ThreadPoolExecutor
 import httpx, pytest
 

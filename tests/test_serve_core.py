@@ -3,7 +3,7 @@
 
 A tiny random-weight Llama with SmolLM2's tokenizer keeps the steps cheap; the servers are real `pagednb serve`
 processes (the default mode: an API server process and an engine core process)."""
-import asyncio, json, os, shutil, signal, socket, subprocess, sys, tempfile, time
+import asyncio, json, os, signal, socket, subprocess, sys, tempfile, time
 import httpx, psutil, pytest
 
 GOOD = dict(prompt="The capital of France is", max_tokens=4, temperature=0, ignore_eos=True)
