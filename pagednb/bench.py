@@ -1072,7 +1072,8 @@ def _parse(p, argv):
         if v is not None and v < 1: p.error(f"--{k.replace('_', '-')} must be >= 1, got {v}")
     try: vllm = find_vllm_python(a.vllm_python)
     except FileNotFoundError as e: p.error(str(e))
-    try: guidellm = find_guidellm(a.guidellm) if "guidellm" in only or a.guidellm else None
+    wants_guidellm = a.guidellm or any(b.startswith("guidellm") for b in only)
+    try: guidellm = find_guidellm(a.guidellm) if wants_guidellm else None
     except FileNotFoundError as e: p.error(str(e))
     return a, only, vllm, guidellm
 

@@ -360,6 +360,15 @@ def fork(self: BlockManager, parent, child):
     child.num_computed_tokens, child.num_cached_tokens = parent.num_computed_tokens, parent.num_cached_tokens
     self.seqs[child.seq_id] = child
 
+# %% ../nbs/02_block_manager.ipynb #16de48e8
+@patch
+def writes_in_place(self: BlockManager, seq, num_new_tokens: int = 1) -> bool:
+    "Would `allocate(seq, num_new_tokens)` change nothing? Its slots are held, in blocks only it may write."
+    bs, table, start = self.block_size, seq.block_table, seq.num_computed_tokens
+    end = start + num_new_tokens
+    if self.seqs.get(seq.seq_id) is not seq or end > len(table)*bs: return False
+    return not any(self._needs_copy(self.blocks[table[i]]) for i in range(start//bs, -(-end//bs)))
+
 # %% ../nbs/02_block_manager.ipynb #9308cf6a
 @patch
 def trim(self: BlockManager, seq, num_tokens: int):

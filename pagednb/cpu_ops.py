@@ -7,10 +7,10 @@ Docs: https://pagednb.github.io/pagednb/cpu_ops.html.md"""
 # %% auto #0
 __all__ = ['PACK_MIN_NUMEL', 'cpu_ops', 'can_pack', 'PackedLinear', 'pack_linears', 'rms_norm', 'fused_add_rms_norm', 'silu_mul',
            'rope_', 'split_qkv_rope', 'merge_linears', 'FusedRMSNorm', 'FusedAttention', 'FusedMLP',
-           'FusedDecoderLayer', 'fuse_for_cpu']
+           'FusedDecoderLayer', 'fuse_for_cpu', 'hoist_attributes']
 
 # %% ../nbs/04b_cpu_ops.ipynb #ab6453a3
-import ctypes
+import ctypes, itertools
 import torch, torch.nn as nn, torch.nn.functional as F
 from fastcore.basics import patch
 from .cpu_attention import CppLibrary
@@ -355,3 +355,11 @@ def fuse_for_cpu(model) -> int:
     for i in fused: body.layers[i] = FusedDecoderLayer(body.layers[i])
     if type(body.norm) is RMSNorm: body.norm = FusedRMSNorm(body.norm)
     return len(fused)
+
+# %% ../nbs/04b_cpu_ops.ipynb #1d9734ea
+def hoist_attributes(model: nn.Module) -> nn.Module:
+    "Put every module's parameters and submodules in its `__dict__` too: read without `Module.__getattr__`."
+    for m in model.modules():
+        regs = itertools.chain(m._parameters.items(), m._modules.items())
+        m.__dict__.update({k: v for k, v in regs if v is not None})
+    return model

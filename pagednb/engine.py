@@ -6,8 +6,8 @@ Docs: https://pagednb.github.io/pagednb/engine.html.md"""
 
 # %% auto #0
 __all__ = ['logger', 'BACKENDS', 'VLLM_ONLY', 'Request', 'EngineDeadError', 'check_vllm_only', 'LLMEngine', 'give_back_memory',
-           'IncrementalText', 'StepResult', 'StepSnapshot', 'engine_knobs', 'check_knob_names', 'LLM', 'StreamDelta',
-           'stream_deltas']
+           'IncrementalText', 'find_stop_string', 'OutputText', 'StepResult', 'StepSnapshot', 'engine_knobs',
+           'check_knob_names', 'LLM', 'StreamDelta', 'stream_deltas']
 
 # %% ../nbs/06b_engine.ipynb #18efb34a
 import ctypes, dataclasses, difflib, functools, gc, inspect, itertools, logging, math, os, sys, time
@@ -34,8 +34,8 @@ class Request:
         self.request_id, self.prompt, self.params = request_id, prompt, params
         self.prompt_token_ids = list(prompt_token_ids)
         self.metrics = RequestMetrics(arrival_time or time.time())
-        self.seqs, self.texts, self.finish_reasons, self.stop_reasons, self.logprobs = [], {}, {}, {}, {}
-        self.detok = {}                                      # index -> IncrementalText
+        self.seqs, self.finish_reasons, self.stop_reasons, self.logprobs = [], {}, {}, {}
+        self.texts = {}                                      # index -> OutputText
         self.prompt_logprobs = [None] if params.prompt_logprobs is not None else None
         self.error = None
     @property
@@ -198,6 +198,8 @@ def _start(self: LLMEngine, seed, speculative_config):
     self.eos = self._eos_ids()
     self.on_step = None                                  # traces' hook: called with (engine, plan, sampled)
     self._failures, self._forked, self.dead = 0, [], None
+    self._stops = {}                                     # (request_id, index) -> stop string found outside
+    self.detokenize = True                               # False: another process decodes (`10_serve`'s core)
     self.spec = None
     if speculative_config is not None:                   # `07_speculative`
         self.spec = SpecDecoder.from_config(speculative_config, self)
@@ -281,7 +283,13 @@ def abort_request(self: LLMEngine, request_id):
     if request_id in self.requests: self._aborts.add(request_id)
 
 @patch
-def has_unfinished_requests(self: LLMEngine): return self.scheduler.has_unfinished or bool(self._aborts)
+def finish_sequence(self: LLMEngine, request_id, index, stop_reason=None):
+    "Finish output `index` of a request with `stop` at the next step: a stop string found by the API server."
+    if request_id in self.requests: self._stops[(request_id, index)] = stop_reason
+
+@patch
+def has_unfinished_requests(self: LLMEngine):
+    return self.scheduler.has_unfinished or bool(self._aborts) or bool(self._stops)
 
 # %% ../nbs/06b_engine.ipynb #83185da3
 def _plain_fast(tokenizer) -> bool:
@@ -308,6 +316,30 @@ class IncrementalText:
             self.prefix, self.read = self.read, len(ids)
         return self.text
 
+# %% ../nbs/06b_engine.ipynb #1f42432e
+def find_stop_string(text, checked, stops, include=False):
+    "The first of `stops` in `text` past its first `checked` characters, and `text` cut there; else (None, text)."
+    for s in stops:
+        i = text.find(s, max(0, checked - len(s) + 1))
+        if i >= 0: return s, text[:i + len(s)] if include else text[:i]
+    return None, text
+
+# %% ../nbs/06b_engine.ipynb #e0411039
+class OutputText:
+    "One output's text as its tokens arrive, ended at the first stop string of its `SamplingParams`."
+    def __init__(self, tokenizer, params):
+        self.detok = IncrementalText(tokenizer, skip_special_tokens=params.skip_special_tokens,
+                                     spaces_between_special_tokens=params.spaces_between_special_tokens)
+        self.stops, self.include = params.stop, params.include_stop_str_in_output
+        self.text, self.stop = "", None
+
+    def __call__(self, ids, final=False) -> str:
+        "The text of `ids` (the last call's, grown); a stop string found in it (`stop`) ends it there."
+        if self.stop is not None: return self.text
+        checked = len(self.detok.text)
+        self.stop, self.text = find_stop_string(self.detok(ids, final), checked, self.stops, self.include)
+        return self.text
+
 # %% ../nbs/06b_engine.ipynb #92ff2d16
 @patch
 def _finish(self: LLMEngine, seq, reason):
@@ -320,27 +352,19 @@ def _finish(self: LLMEngine, seq, reason):
 
 @patch
 def _text(self: LLMEngine, req, seq):
-    "The output text of `seq` so far, decoded incrementally (`IncrementalText`)."
-    if self.tokenizer is None: return ""
-    if seq.index not in req.detok:
-        p = req.params
-        req.detok[seq.index] = IncrementalText(self.tokenizer, skip_special_tokens=p.skip_special_tokens,
-                                               spaces_between_special_tokens=p.spaces_between_special_tokens)
-    return req.detok[seq.index](req.output_ids(seq), final=seq.index in req.finish_reasons)
-
-# %% ../nbs/06b_engine.ipynb #b0a9b5a0
-@patch
-def _stop_string(self: LLMEngine, seq):
-    "The stop string the text now holds, if any, and the text cut there (kept: `include_stop_str_in_output`)."
-    req, p = seq.request, seq.params
-    text = self._text(req, seq)
-    for s in p.stop:
-        i = text.find(s, max(0, len(req.texts.get(seq.index, "")) - len(s)))
-        if i >= 0: return s, text[:i + len(s)] if p.include_stop_str_in_output else text[:i]
-    req.texts[seq.index] = text
-    return None, text
+    "The output text of `seq` so far (`OutputText`); empty where another process detokenizes."
+    if self.tokenizer is None or not self.detokenize: return ""
+    if seq.index not in req.texts: req.texts[seq.index] = OutputText(self.tokenizer, req.params)
+    return req.texts[seq.index](req.output_ids(seq), final=seq.index in req.finish_reasons)
 
 # %% ../nbs/06b_engine.ipynb #bbed1b09
+@patch
+def _stop_string(self: LLMEngine, seq):
+    "The stop string the output text of `seq` now holds, if any (None where another process detokenizes)."
+    if not seq.params.stop or self.tokenizer is None or not self.detokenize: return None
+    self._text(seq.request, seq)
+    return seq.request.texts[seq.index].stop
+
 @patch
 def _check_stop(self: LLMEngine, seq, tok):
     "The finish reason after token `tok`, if any; a stop token or string becomes the request's `stop_reason`."
@@ -350,11 +374,10 @@ def _check_stop(self: LLMEngine, seq, tok):
     if n_out >= p.min_tokens and tok in p.stop_token_ids:
         req.stop_reasons[seq.index] = tok
         return "stop"
-    if p.stop and self.tokenizer is not None:
-        s, text = self._stop_string(seq)
-        if s is not None:
-            req.texts[seq.index], req.stop_reasons[seq.index], seq.stopped_text = text, s, True
-            return "stop"
+    s = self._stop_string(seq)
+    if s is not None:
+        req.stop_reasons[seq.index] = s
+        return "stop"
     if p.max_tokens is not None and n_out >= p.max_tokens: return "length"
     if seq.num_tokens >= self.sched_config.max_model_len: return "length"
     return None
@@ -496,7 +519,8 @@ def _run(self: LLMEngine, plan):
 # %% ../nbs/06b_engine.ipynb #b559ba63
 @patch
 def _apply_aborts(self: LLMEngine):
-    "Finish every request aborted since the last step, and its children not forked yet."
+    "Finish every request aborted since the last step (and its children not forked yet), and stopped outputs."
+    self._apply_stops()
     for rid in list(self._aborts):
         req = self.requests.get(rid)
         if req is None: continue
@@ -505,6 +529,17 @@ def _apply_aborts(self: LLMEngine):
         for i in range(req.params.n):
             req.finish_reasons.setdefault(i, "abort")                 # children not forked yet
     self._aborts.clear()
+
+@patch
+def _apply_stops(self: LLMEngine):
+    "Finish each output that `finish_sequence` stopped, with its stop string as the `stop_reason`."
+    for (rid, i), reason in self._stops.items():
+        req = self.requests.get(rid)
+        seq = next((s for s in req.seqs if s.index == i), None) if req is not None else None
+        if seq is None or seq.status is SequenceStatus.FINISHED: continue
+        req.stop_reasons[i] = reason
+        self._finish(seq, "stop")
+    self._stops.clear()
 
 @patch
 def _unfork(self: LLMEngine, child):
@@ -641,7 +676,7 @@ def _fail_request(self: LLMEngine, request_id, err):
 def _completion(self: LLMEngine, req, s):
     "One `CompletionOutput` of a request."
     ids = req.output_ids(s)
-    text = req.texts[s.index] if getattr(s, "stopped_text", False) else self._text(req, s)
+    text = self._text(req, s)
     lps = req.logprobs.get(s.index)
     cum = sum(e[t].logprob for t, e in zip(ids, lps)) if lps is not None else None
     return CompletionOutput(s.index, text, list(ids), req.finish_reasons.get(s.index), lps, cum,
@@ -835,6 +870,7 @@ class StreamDelta:
     finished: bool
     finish_reason: str|None
     logprobs: list|None = None
+    stop_reason: object = None                        # the stop string or token that finished it, if one did
 
 def _ready_text(o, hold):
     "The part of an output's text that may be sent: all of it when finished, else less `hold` characters."
@@ -852,7 +888,8 @@ def stream_deltas(out: RequestOutput, sent: dict, hold=0):
         if done or (len(text) <= nc and not fin): continue
         sent[key] = (max(nc, len(text)), len(o.token_ids), fin)
         lps = o.logprobs[nt:len(o.token_ids)] if o.logprobs else None
-        yield StreamDelta(out.request_id, o.index, text[nc:], o.token_ids[nt:], fin, o.finish_reason, lps)
+        yield StreamDelta(out.request_id, o.index, text[nc:], o.token_ids[nt:], fin, o.finish_reason, lps,
+                          o.stop_reason)
 
 # %% ../nbs/06b_engine.ipynb #d625c4a0
 @patch

@@ -19,7 +19,7 @@ from .model import NoCacheAttention
 from .block_manager import kv_cache_shape, compute_slot_mapping
 from .attention import store_kv, paged_attention, default_backend, TorchAttentionPlan
 from .kv_cache import kv_bytes_per_token
-from .cpu_ops import fuse_for_cpu, can_pack, pack_linears, PACK_MIN_NUMEL
+from .cpu_ops import fuse_for_cpu, can_pack, pack_linears, hoist_attributes, PACK_MIN_NUMEL
 from .cpu_attention import zeros_huge_pages, populate, cpu_kernel_supports, KernelStep
 
 # %% ../nbs/06_runner.ipynb #cb1ac084
@@ -186,6 +186,7 @@ class ModelRunner:
             pack_weights = can_pack(w) and os.environ.get("PAGEDNB_PACK_WEIGHTS", "1") != "0"
         self.fused = fuse_for_cpu(model) if pack_weights else 0    # CPU: merged q/k/v, gate/up, C++ ops (04b)
         self.packed = pack_linears(model, PACK_MIN_NUMEL) if pack_weights else 0   # CPU: oneDNN-packed (04b)
+        hoist_attributes(model)                                    # no `Module.__getattr__` per step (04b)
         pages = kv_cache_shape(num_blocks, block_size, c.num_key_value_heads, c.head_dim)
         shape = (2, c.num_hidden_layers) + pages
         on_cpu = w.device.type == "cpu"

@@ -147,6 +147,13 @@ def add(self: Scheduler, seq: Sequence):
 
 # %% ../nbs/05_scheduler.ipynb #b6efc4b5
 @patch
+def _schedule_seq(self: Scheduler, seq, n, plan, k=0):
+    "Add `n` new tokens of `seq` (and `k` lookahead slots) to the plan; its pages are allocated already."
+    start = seq.num_computed_tokens
+    kind = "decode" if n == 1 and start >= seq.num_prompt_tokens else "prefill"
+    plan.scheduled.append(ScheduledSeq(seq, n, start, kind, k))
+
+@patch
 def _take(self: Scheduler, seq, n, plan, hits=(), k=0):
     "Allocate pages for `n` new tokens of `seq` (plus `k` lookahead slots) and add it to the plan."
     alloc = self.bm.allocate(seq, n, hits, num_lookahead_slots=k)
@@ -155,9 +162,7 @@ def _take(self: Scheduler, seq, n, plan, hits=(), k=0):
     if alloc.computed_blocks:
         plan.shared[seq.seq_id] = alloc.computed_blocks
     plan.copies += alloc.copies
-    start = seq.num_computed_tokens
-    kind = "decode" if n == 1 and start >= seq.num_prompt_tokens else "prefill"
-    plan.scheduled.append(ScheduledSeq(seq, n, start, kind, k))
+    self._schedule_seq(seq, n, plan, k)
 
 # %% ../nbs/05_scheduler.ipynb #cdb2811b
 @patch
@@ -193,10 +198,11 @@ def _schedule_running(self: Scheduler, plan: StepPlan, budget: int) -> int:
         if seq.status is not SequenceStatus.RUNNING: continue            # preempted earlier in this loop
         n = min(seq.num_uncomputed, budget)
         k = min(self.lookahead(seq), budget - n) if self.lookahead and not seq.is_prefill else 0
-        if self._make_room(seq, n, k, plan, done):
-            self._take(seq, n, plan, k=k)
-            done.add(seq.seq_id)
-            budget -= n + k
+        if not k and self.bm.writes_in_place(seq, n): self._schedule_seq(seq, n, plan)   # its pages have room
+        elif self._make_room(seq, n, k, plan, done): self._take(seq, n, plan, k=k)
+        else: continue
+        done.add(seq.seq_id)
+        budget -= n + k
     return budget
 
 # %% ../nbs/05_scheduler.ipynb #f92e635a

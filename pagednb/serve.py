@@ -6,14 +6,15 @@ Docs: https://pagednb.github.io/pagednb/serve.html.md"""
 
 # %% auto #0
 __all__ = ['logger', 'MAX_N', 'MAX_PROMPTS', 'MAX_LOGPROBS', 'MAX_BODY_BYTES', 'HEADER_TIMEOUT', 'TTFT_BUCKETS', 'ITL_BUCKETS',
-           'E2E_BUCKETS', 'APIError', 'Histogram', 'token_buckets', 'Exposition', 'engine_error', 'RequestStream',
-           'AsyncEngine', 'EngineCoreRequest', 'CoreAbort', 'CoreUtility', 'CoreShutdown', 'CompletionDelta',
-           'EngineCoreOutput', 'EngineCoreOutputs', 'CoreReady', 'CoreFailed', 'CoreReply', 'CoreDead', 'core_output',
-           'EngineCoreProc', 'run_engine_core', 'EngineConfigView', 'AsyncMPClient', 'StreamOptions',
-           'CompletionRequest', 'TextPart', 'ChatMessage', 'ResponseFormat', 'ChatCompletionRequest', 'OpenAIServer',
-           'ClientDisconnected', 'collect', 'TokenizeRequest', 'DetokenizeRequest', 'core_snapshot',
-           'default_allowed_hosts', 'build_app', 'header_timeout_protocol', 'uvicorn_config', 'build_engine_client',
-           'serve', 'BackgroundServer', 'benchmark_server']
+           'E2E_BUCKETS', 'CORE_SPINCOUNT', 'APIError', 'Histogram', 'token_buckets', 'Exposition', 'engine_error',
+           'RequestStream', 'AsyncEngine', 'EngineCoreRequest', 'CoreAbort', 'CoreUtility', 'CoreShutdown',
+           'CoreFinish', 'CompletionDelta', 'EngineCoreOutput', 'EngineCoreOutputs', 'CoreReady', 'CoreFailed',
+           'CoreReply', 'CoreDead', 'core_output', 'EngineCoreProc', 'run_engine_core', 'EngineConfigView',
+           'AsyncMPClient', 'core_environ', 'StreamOptions', 'CompletionRequest', 'TextPart', 'ChatMessage',
+           'ResponseFormat', 'ChatCompletionRequest', 'OpenAIServer', 'ClientDisconnected', 'collect',
+           'TokenizeRequest', 'DetokenizeRequest', 'core_snapshot', 'default_allowed_hosts', 'build_app',
+           'header_timeout_protocol', 'uvicorn_config', 'build_engine_client', 'serve', 'BackgroundServer',
+           'benchmark_server']
 
 # %% ../nbs/10_serve.ipynb #e4198d39
 from fastcore.basics import patch
@@ -29,7 +30,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from .sampling import SamplingParams, CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from .engine import LLMEngine, EngineDeadError, stream_deltas
+from .engine import LLMEngine, EngineDeadError, OutputText, stream_deltas
 from .model import EMBEDDED_NAME
 from . import __version__
 
@@ -388,12 +389,16 @@ class CoreUtility(msgspec.Struct, tag=True, array_like=True):
 class CoreShutdown(msgspec.Struct, tag=True, array_like=True):
     "Stop after the step in progress."
 
+class CoreFinish(msgspec.Struct, tag=True, array_like=True):
+    "Finish output `index` of a request at the next step: the API server found `stop_reason` in its text."
+    request_id: str
+    index: int
+    stop_reason: str
+
 # %% ../nbs/10_serve.ipynb #core-msgs-out
 class CompletionDelta(msgspec.Struct, array_like=True):
-    "One output's news from one step: `keep` characters of its text stand, then `text`; the new tokens."
+    "One output's news from one step: its new tokens, their logprobs, and the finish reason, if any."
     index: int
-    keep: int
-    text: str
     token_ids: list[int]
     logprobs: list | None = None                   # per new token: [[token_id, logprob, rank, text], ...]
     finish_reason: str | None = None
@@ -407,7 +412,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finished: bool = False
     num_cached_tokens: int = 0
     first_token_time: float | None = None
-    prompt_logprobs: list | None = None            # sent once, when the request finishes
+    prompt_logprobs: list | None = None            # sent once, with the first output token
     error: str | None = None
     error_status: int | None = None
     error_param: str | None = None
@@ -449,7 +454,7 @@ class CoreDead(msgspec.Struct, tag=True, array_like=True):
     error_type: str
     message: str
 
-_TO_CORE = EngineCoreRequest | CoreAbort | CoreUtility | CoreShutdown
+_TO_CORE = EngineCoreRequest | CoreAbort | CoreUtility | CoreShutdown | CoreFinish
 _FROM_CORE = EngineCoreOutputs | CoreReady | CoreFailed | CoreReply | CoreDead
 
 # %% ../nbs/10_serve.ipynb #core-lps
@@ -460,60 +465,90 @@ def _pack_logprobs(lps):
     return [None if d is None else one(d) for d in lps]
 
 # %% ../nbs/10_serve.ipynb #core-lps-1
-def _unpack_logprobs(rows):
-    "The inverse of `_pack_logprobs`."
+def _unpack_logprobs(rows, decode=None):
+    "The inverse of `_pack_logprobs`; a `decoded_token` the core left out is `decode([token_id])`."
     if rows is None: return None
-    return [None if r is None else {t: Logprob(lp, rank, s) for t, lp, rank, s in r} for r in rows]
+    def one(t, lp, rank, s): return Logprob(lp, rank, s if s is not None or decode is None else decode([t]))
+    return [None if r is None else {t: one(t, *v) for t, *v in r} for r in rows]
 
 # %% ../nbs/10_serve.ipynb #core-delta
-def _kept(prev, text):
-    "How many leading characters of `prev` still stand in `text`."
-    return len(prev) if text.startswith(prev) else len(os.path.commonprefix([prev, text]))
-
 def _delta(o, sent):
     "The `CompletionDelta` of `CompletionOutput` `o` against `sent`, updated; None if nothing changed."
-    text, nt, fin = sent.get(o.index, ("", 0, None))
-    if o.text == text and len(o.token_ids) == nt and o.finish_reason == fin: return None
-    sent[o.index] = (o.text, len(o.token_ids), o.finish_reason)
-    keep, lps = _kept(text, o.text), _pack_logprobs(o.logprobs[nt:]) if o.logprobs else None
-    new = o.token_ids[nt:]
-    return CompletionDelta(o.index, keep, o.text[keep:], new, lps, o.finish_reason, o.stop_reason)
+    nt, fin = sent.get(o.index, (0, None))
+    if len(o.token_ids) == nt and o.finish_reason == fin: return None
+    sent[o.index] = (len(o.token_ids), o.finish_reason)
+    lps = _pack_logprobs(o.logprobs[nt:]) if o.logprobs else None
+    return CompletionDelta(o.index, o.token_ids[nt:], lps, o.finish_reason, o.stop_reason)
 
 # %% ../nbs/10_serve.ipynb #core-output
+def _prompt_logprobs(out, sent):
+    "The prompt logprobs to send, packed: once, when the prompt is done (an output token, or the end)."
+    if out.prompt_logprobs is None or sent.get("prompt_logprobs"): return None
+    if not (out.finished or any(o.token_ids for o in out.outputs)): return None
+    sent["prompt_logprobs"] = True
+    return _pack_logprobs(out.prompt_logprobs)
+
 def core_output(out: RequestOutput, sent: dict) -> EngineCoreOutput:
     "The `EngineCoreOutput` of a `RequestOutput`: the deltas of its outputs against `sent` (updated)."
     deltas = [d for d in (_delta(o, sent) for o in out.outputs) if d is not None]
     m = out.metrics
-    plp = _pack_logprobs(out.prompt_logprobs) if out.finished else None
     return EngineCoreOutput(out.request_id, deltas, out.finished, out.num_cached_tokens,
-                            m.first_token_time if m else None, plp, out.error,
+                            m.first_token_time if m else None, _prompt_logprobs(out, sent), out.error,
                             getattr(out, "error_status", None), getattr(out, "error_param", None))
 
 # %% ../nbs/10_serve.ipynb #core-accum
 class _Accum:
-    "A request's outputs so far, rebuilt in the front-end from the core's deltas."
-    def __init__(self, request_id, prompt, prompt_token_ids, arrival):
+    "A request's outputs so far, rebuilt in the API server from the core's tokens, and their text."
+    def __init__(self, request_id, prompt, prompt_token_ids, params, tokenizer, arrival):
         self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
-        self.metrics, self.outs = RequestMetrics(arrival), {}
+        self.params, self.tokenizer = params, tokenizer
+        self.decode = tokenizer.decode if tokenizer is not None else None
+        self.metrics, self.outs, self.texts = RequestMetrics(arrival), {}, {}   # index -> output, OutputText
+        self.prompt_logprobs, self.stopped = None, []      # stopped: (index, stop string) for the core
 
 # %% ../nbs/10_serve.ipynb #core-accum-1
-def _apply(c, d):
-    "Apply `CompletionDelta` `d` to `CompletionOutput` `c` (new lists: outputs handed out keep theirs)."
-    c.text = c.text[:d.keep] + d.text
-    c.token_ids = c.token_ids + d.token_ids
-    if d.logprobs is not None: c.logprobs = (c.logprobs or []) + _unpack_logprobs(d.logprobs)
-    c.finish_reason, c.stop_reason = d.finish_reason, d.stop_reason
+@patch
+def _read(self: _Accum, index, ids, old, reason):
+    "Decode output `index`'s new `ids[old:]`: how many ids stand, and the stop string found here (or None)."
+    if self.tokenizer is None: return len(ids), None
+    text = self.texts.setdefault(index, OutputText(self.tokenizer, self.params))
+    if not self.params.stop:
+        text(ids, final=reason is not None)
+        return len(ids), None
+    for k in range(old + 1, len(ids) + 1):
+        text(ids[:k], final=reason is not None and k == len(ids))
+        if text.stop is None: continue
+        core_stopped = k == len(ids) and reason == "stop"     # an end or stop token: the engine's reason
+        return k, None if core_stopped else text.stop
+    return len(ids), None
+
+# %% ../nbs/10_serve.ipynb #ef8936e6
+@patch
+def _apply(self: _Accum, d):
+    "Apply `CompletionDelta` `d` up to a stop string found here (new lists: outputs handed out keep theirs)."
+    c = self.outs.setdefault(d.index, CompletionOutput(d.index, "", []))
+    if c.finish_reason is not None: return                # stopped here: the core's later tokens go
+    old = len(c.token_ids)
+    n, stop = self._read(d.index, c.token_ids + d.token_ids, old, d.finish_reason)
+    c.token_ids = c.token_ids + d.token_ids[:n - old]
+    c.text = self.texts[d.index].text if d.index in self.texts else ""
+    if d.logprobs is not None:
+        c.logprobs = (c.logprobs or []) + _unpack_logprobs(d.logprobs[:n - old], self.decode)
+    c.finish_reason, c.stop_reason = ("stop", stop) if stop is not None else (d.finish_reason, d.stop_reason)
+    if stop is not None: self.stopped.append((d.index, stop))
 
 # %% ../nbs/10_serve.ipynb #core-accum-update
 @patch
 def update(self: _Accum, o: EngineCoreOutput) -> RequestOutput:
     "Apply one step's `EngineCoreOutput`; returns the `RequestOutput` the engine would have returned."
-    for d in o.outputs: _apply(self.outs.setdefault(d.index, CompletionOutput(d.index, "", [])), d)
+    for d in o.outputs: self._apply(d)
     self.metrics.num_cached_tokens = o.num_cached_tokens
     self.metrics.first_token_time = o.first_token_time or self.metrics.first_token_time
+    if o.prompt_logprobs is not None: self.prompt_logprobs = _unpack_logprobs(o.prompt_logprobs, self.decode)
     outs = [copy.copy(c) for _, c in sorted(self.outs.items())]
-    out = RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, o.finished,
-                        copy.copy(self.metrics), _unpack_logprobs(o.prompt_logprobs), o.error)
+    done = len(outs) == self.params.n and all(c.finish_reason is not None for c in outs)
+    out = RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outs, o.finished or done,
+                        copy.copy(self.metrics), self.prompt_logprobs, o.error)
     if o.error_status is not None: out.error_status, out.error_param = o.error_status, o.error_param
     return out
 
@@ -561,6 +596,11 @@ def _cmd_abort(self: EngineCoreProc, rid):
     AsyncEngine._cmd_abort(self, rid)
     self._sent.pop(rid, None)
 
+@patch
+def _cmd_finish(self: EngineCoreProc, rid, index, stop_reason):
+    "An output the API server stopped (a stop string in its text): the engine finishes it at its next step."
+    self.engine.finish_sequence(rid, index, stop_reason)
+
 # %% ../nbs/10_serve.ipynb #core-proc-cmds-1
 @patch
 def _stop(self: EngineCoreProc, ex):
@@ -581,6 +621,7 @@ _UTILITIES = {"snapshot": lambda core: functools.partial(core_snapshot, stats=co
 def _command(self: EngineCoreProc, msg):
     "The loop's command for a message from the front-end."
     if isinstance(msg, CoreAbort): return ("abort", msg.request_id)
+    if isinstance(msg, CoreFinish): return ("finish", msg.request_id, msg.index, msg.stop_reason)
     if isinstance(msg, CoreUtility):
         return ("call", _UTILITIES[msg.method](self), functools.partial(self._reply, msg.call_id))
     prompt = {"prompt": msg.prompt, "prompt_token_ids": msg.prompt_token_ids}
@@ -609,6 +650,7 @@ def run_engine_core(model, engine_kwargs, input_conn, output_conn):
     try: engine = LLMEngine(model, **engine_kwargs)
     except Exception as ex:
         return output_conn.send_bytes(msgspec.msgpack.encode(CoreFailed(_builtin_base(ex), str(ex))))
+    engine.detokenize = False                     # the API server decodes and finds the stop strings
     core = EngineCoreProc(engine, output_conn)
     L, V = engine.sched_config.max_model_len, engine.model_config.vocab_size
     core._put(CoreReady(L, V, engine.max_logprobs, pickle.dumps(engine.tokenizer)))
@@ -642,6 +684,15 @@ class AsyncMPClient:
         self.thread = threading.Thread(target=self._read_outputs, name="pagednb-core-output", daemon=True)
         self.thread.start()
 
+# %% ../nbs/10_serve.ipynb #156ee61c
+CORE_SPINCOUNT = "2000"          # GNU OpenMP spin turns of the core's workers before they sleep
+
+def core_environ(environ=None) -> dict:
+    "The variables the core process starts with: a short OpenMP spin, unless the wait policy is set already."
+    environ = os.environ if environ is None else environ
+    if "OMP_WAIT_POLICY" in environ or "GOMP_SPINCOUNT" in environ: return {}
+    return dict(GOMP_SPINCOUNT=CORE_SPINCOUNT)
+
 # %% ../nbs/10_serve.ipynb #core-environ
 @contextlib.contextmanager
 def _environ(**kv):
@@ -663,7 +714,7 @@ def _spawn(self: AsyncMPClient, model, engine_kwargs):
     self.outputs, core_out = ctx.Pipe(duplex=False)        # outputs: core -> here
     self.proc = ctx.Process(target=run_engine_core, args=(model, engine_kwargs, core_in, core_out),
                             name="pagednb-engine-core", daemon=True)
-    with _environ(OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE")): self.proc.start()
+    with _environ(**core_environ()): self.proc.start()
     core_in.close()
     core_out.close()
 
@@ -682,6 +733,7 @@ def _handshake(self: AsyncMPClient, timeout):
         try: msg = self.dec.decode(self.outputs.recv_bytes())
         except EOFError: pass
     if isinstance(msg, CoreReady):
+        self.decoder = pickle.loads(msg.tokenizer)    # the output thread's own copy: it decodes as handlers encode
         tok = pickle.loads(msg.tokenizer)
         return EngineConfigView(tok, msg.vocab_size, msg.max_model_len, msg.max_logprobs)
     self.proc.join(10)
@@ -712,20 +764,29 @@ def _core_gone(self: AsyncMPClient):
     logger.error("the engine core is gone (%s: %s); the server stops", type(ex).__name__, ex)
     self._stop(ex)
 
+# %% ../nbs/10_serve.ipynb #79527f8f
+@patch
+def _settle_request(self: AsyncMPClient, rid, acc, finished):
+    "After an output (the caller holds the lock): finish the outputs stopped here; forget a finished request."
+    if acc is not None and acc.stopped and not self.stopped:
+        for i, s in acc.stopped: self._put(CoreFinish(rid, i, s))
+    if acc is not None: acc.stopped.clear()
+    if finished:
+        self._acc.pop(rid, None)
+        self._dest.pop(rid, None)
+
 # %% ../nbs/10_serve.ipynb #core-deliver
 @patch
 def _deliver(self: AsyncMPClient, msg):
-    "Hand each request of one step its rebuilt `RequestOutput` (or its error)."
+    "Hand each request of one step its rebuilt `RequestOutput` (or its error); tell the core of stop strings."
     self.last_step = msg
     for o in msg.outputs:
-        with self._lock:
-            acc, dest = self._acc.get(o.request_id), self._dest.get(o.request_id)
-            if o.finished or o.api_error is not None:
-                self._acc.pop(o.request_id, None)
-                self._dest.pop(o.request_id, None)
+        with self._lock: acc, dest = self._acc.get(o.request_id), self._dest.get(o.request_id)
         if dest is None: continue
         m, s, p, c = o.api_error or (None,)*4
-        dest(APIError(m, s, param=p, code=c) if o.api_error is not None else acc.update(o))
+        item = APIError(m, s, param=p, code=c) if o.api_error is not None else acc.update(o)
+        with self._lock: self._settle_request(o.request_id, acc, isinstance(item, APIError) or item.finished)
+        dest(item)
 
 # %% ../nbs/10_serve.ipynb #core-stop
 @patch
@@ -760,7 +821,7 @@ def submit(self: AsyncMPClient, items, arrival_time=None) -> RequestStream:
         for rid, prompt, params in items:
             text, ids = self.engine._tokenize(prompt)
             self._dest[rid] = functools.partial(_send, loop, s.q)
-            self._acc[rid] = _Accum(rid, text, ids, arrival)
+            self._acc[rid] = _Accum(rid, text, ids, params, self.decoder, arrival)
             self._put(EngineCoreRequest(rid, text, ids, params, arrival))
     return s
 
@@ -1254,12 +1315,14 @@ async def completion_response(self: OpenAIServer, r: CompletionRequest, request=
             offset = sent[(d.request_id, d.index)][0] - len(d.text)
             lp = self.completion_logprobs(d.token_ids, d.logprobs, offset)
             i = base[d.request_id] + d.index
-            return dict(index=i, text=d.text, logprobs=lp, finish_reason=d.finish_reason)
+            return dict(index=i, text=d.text, logprobs=lp, finish_reason=d.finish_reason,
+                        stop_reason=d.stop_reason)
         return _sse_response(_sse_events(stream, items, head, choice, r))
     last = await collect(stream, request)
     def whole(eid, o, out):
         lp = self.completion_logprobs(o.token_ids, o.logprobs)
-        c = {"index": base[eid] + o.index, "text": o.text, "logprobs": lp, "finish_reason": o.finish_reason}
+        c = {"index": base[eid] + o.index, "text": o.text, "logprobs": lp, "finish_reason": o.finish_reason,
+             "stop_reason": o.stop_reason}
         return {**c, "prompt_logprobs": self.prompt_logprobs(out)} if r.prompt_logprobs is not None else c
     choices = [whole(eid, o, out) for eid, out in last.items() for o in out.outputs]
     choices.sort(key=lambda c: c["index"])
@@ -1275,14 +1338,16 @@ async def chat_response(self: OpenAIServer, r: ChatCompletionRequest, request=No
         def choice(d, sent):
             delta = {"content": d.text} if d.text or not d.finish_reason else {}
             lp = self.chat_logprobs(d.token_ids, d.logprobs, k)
-            return {"index": d.index, "delta": delta, "finish_reason": d.finish_reason, "logprobs": lp}
+            return {"index": d.index, "delta": delta, "finish_reason": d.finish_reason, "logprobs": lp,
+                    "stop_reason": d.stop_reason}
         role = {"role": "assistant", "content": ""}    # a role chunk per choice first, as OpenAI and vLLM
         roles = [{"index": i, "delta": role, "logprobs": None, "finish_reason": None} for i in range(r.n)]
         head = self._head(rid, "chat.completion.chunk", r)
         return _sse_response(_sse_events(stream, items, head, choice, r, roles))
     out = (await collect(stream, request))[items[0][0]]
     choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text},
-                "finish_reason": o.finish_reason, "logprobs": self.chat_logprobs(o.token_ids, o.logprobs, k)}
+                "finish_reason": o.finish_reason, "stop_reason": o.stop_reason,
+                "logprobs": self.chat_logprobs(o.token_ids, o.logprobs, k)}
                for o in out.outputs]
     extra = {"prompt_logprobs": self.prompt_logprobs(out)} if r.prompt_logprobs is not None else {}
     return {**self._head(rid, "chat.completion", r), "choices": choices, "usage": _usage([out]), **extra}

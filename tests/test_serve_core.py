@@ -160,3 +160,48 @@ def test_shutdown_leaves_no_process(model_dir, how):
         assert left_behind(srv.family) == [], [p.cmdline() for p in srv.family if p.is_running()]
         assert not core.is_running() or core.status() == psutil.STATUS_ZOMBIE
     finally: srv.stop()
+
+def _choices(url, body):
+    "`(text, finish_reason, stop_reason)` of each choice of a completion, asked for whole or streamed."
+    if not body.get("stream"):
+        return [(c["text"], c["finish_reason"], c["stop_reason"])
+                for c in httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"]]
+    got = {}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: {"): continue
+            for c in json.loads(line[6:])["choices"]:
+                text, fin, why = got.get(c["index"], ("", None, None))
+                got[c["index"]] = (text + c["text"], c["finish_reason"] or fin, c.get("stop_reason") or why)
+    return [got[i] for i in sorted(got)]
+
+def _metric(url, name):
+    "The samples of metric `name` on /metrics: `{labels text: value}`."
+    lines = httpx.get(url + "/metrics", timeout=10).text.splitlines()
+    return {l.split("{")[1].split("}")[0] if "{" in l else "": float(l.split()[-1])
+            for l in lines if l.startswith(name + "{") or l.startswith(name + " ")}
+
+def test_stop_strings_are_found_by_the_api_server(model_dir):
+    """The core only generates tokens; the API server decodes them and finds the stop strings: the same texts, finish
+    and stop reasons as a server whose engine decodes itself, whole or streamed, and the core finishes those outputs
+    as stopped (not aborted), their pages freed."""
+    two, one = Server(model_dir), Server(model_dir, "--disable-frontend-multiprocessing")
+    try:
+        base = dict(prompt="The capital of France is", max_tokens=24, temperature=1.0, seed=3, n=2, ignore_eos=True)
+        text = _choices(two.url, base)[0][0]
+        stop = text[8:11]
+        assert len(text) > 12 and stop.strip()
+        for extra in (dict(), dict(stream=True), dict(include_stop_str_in_output=True)):
+            body = dict(base, stop=[stop], **extra)
+            split = _choices(two.url, body)
+            assert split == _choices(one.url, body)
+            assert split[0][1:] == ("stop", stop) and stop not in split[0][0][:-len(stop)]
+            assert split[0][0].endswith(stop) == bool(extra.get("include_stop_str_in_output"))
+        time.sleep(0.5)
+        finished = _metric(two.url, "vllm:request_success_total")
+        assert not any("abort" in k and v for k, v in finished.items()), finished
+        assert _metric(two.url, "vllm:kv_cache_usage_perc") == {"": 0.0} or \
+            all(v == 0.0 for v in _metric(two.url, "vllm:kv_cache_usage_perc").values())
+    finally:
+        two.stop()
+        one.stop()
