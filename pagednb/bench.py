@@ -923,6 +923,10 @@ def bench_guidellm(guidellm=None, vllm_python=None, model=None, threads=2, quick
 # %% ../nbs/09_benchmarks.ipynb #58f2a3ec
 def _server_name(r): return "pagednb serve" if r["engine"] == "pagednb" else "vllm serve (vLLM CPU)"
 
+def _load_key(name):
+    "Order loads as they ramp: c1, c4, c8, c16, then p0.5, p1.0, p2.0."
+    return (name[:1], float(name[1:])) if name[1:].replace(".", "", 1).isdigit() else (name, 0.0)
+
 def format_guidellm(g):
     "The serving table: one row per server and API, then what was skipped and the first error of each run."
     p, ok = g["profile"], [dict(r, peer=_server_name(r)) for r in g["rows"] if "skipped" not in r]
@@ -930,10 +934,11 @@ def format_guidellm(g):
             f"p = Poisson requests/s; {p['prompt_tokens']}-token prompts, "
             f"{p['output_tokens']} output tokens, "
             f"up to {p['max_requests']} requests")
-    ok = sorted(ok, key=lambda r: (r.get("api", ""), r.get("load", ""), r["engine"]))
+    ok = sorted(ok, key=lambda r: (r.get("api", ""), _load_key(r.get("load", "")), r["engine"]))
     cols = [("load", "load"), ("peer", "server"), ("api", "API"), ("output_tok_s", "out tok/s"),
             ("ttft_p50_ms", "TTFT p50 (ms)"), ("itl_p50_ms", "ITL p50 (ms)"), ("itl_p95_ms", "ITL p95 (ms)"),
             ("latency_p50_s", "latency p50 (s)"), ("requests", "requests"), ("errored", "errored"),
+            ("incomplete", "incomplete"),
             ("load_avg_1m", "load avg after")]
     skipped = [f"({r['engine']} {r.get('api', '')} skipped: {r['skipped']})"
                for r in g["rows"] if "skipped" in r]

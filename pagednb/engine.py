@@ -10,7 +10,7 @@ __all__ = ['logger', 'BACKENDS', 'VLLM_ONLY', 'Request', 'EngineDeadError', 'che
            'check_knob_names', 'LLM', 'StreamDelta', 'stream_deltas']
 
 # %% ../nbs/06b_engine.ipynb #18efb34a
-import ctypes, dataclasses, difflib, functools, gc, inspect, itertools, logging, math, os, sys, time
+import ctypes, dataclasses, difflib, functools, gc, importlib, inspect, itertools, logging, math, os, sys, time
 from dataclasses import dataclass, field
 import torch
 from fastcore.basics import patch
@@ -298,16 +298,24 @@ def _plain_fast(tokenizer) -> bool:
     return type(rust).__name__ == "Tokenizer" and not getattr(tokenizer, "clean_up_tokenization_spaces", True)
 
 # %% ../nbs/06b_engine.ipynb #f81f5fb0
+def _decode_stream(skip_special_tokens):
+    "A `tokenizers` `DecodeStream` (the Rust tokenizer decoding token by token), or None where it is missing."
+    cls = getattr(importlib.import_module("tokenizers.decoders"), "DecodeStream", None)
+    return cls(skip_special_tokens=skip_special_tokens) if cls is not None else None
+
 class IncrementalText:
     "The text of a growing list of token ids, decoding a few tokens per call rather than all of them."
     def __init__(self, tokenizer, skip_special_tokens=True, **decode_kwargs):
         kw = dict(skip_special_tokens=skip_special_tokens)
-        self.decode = functools.partial(tokenizer.decode, **kw, **decode_kwargs)
-        if _plain_fast(tokenizer): self.decode = functools.partial(tokenizer._tokenizer.decode, **kw)
+        self.decode, self.stream = functools.partial(tokenizer.decode, **kw, **decode_kwargs), None
+        if _plain_fast(tokenizer):
+            self.decode = functools.partial(tokenizer._tokenizer.decode, **kw)
+            self.stream, self.rust = _decode_stream(skip_special_tokens), tokenizer._tokenizer
         self.text, self.prefix, self.read = "", 0, 0
 
     def __call__(self, ids, final=False) -> str:
         "The text of `ids`: the last call's ids with new ones appended; `final` lets a partial character out."
+        if self.stream is not None: return self._stream_text(ids, final)
         if len(ids) == self.read: return self.text
         before = self.decode(ids[self.prefix:self.read])
         now = self.decode(ids[self.prefix:])
@@ -316,9 +324,23 @@ class IncrementalText:
             self.prefix, self.read = self.read, len(ids)
         return self.text
 
+# %% ../nbs/06b_engine.ipynb #aede8e00
+@patch
+def _stream_text(self: IncrementalText, ids, final):
+    "`__call__` through the Rust `DecodeStream`: one step per new token; at the end, what it holds back."
+    for t in ids[self.read:]:
+        piece = self.stream.step(self.rust, t)
+        self.read += 1
+        if piece is not None: self.text, self.prefix = self.text + piece, self.read
+    if final and self.prefix < self.read:               # a partial character at the very end: let it out
+        c = max(0, self.prefix - 4)
+        self.text += self.decode(ids[c:self.read])[len(self.decode(ids[c:self.prefix])):]
+        self.prefix = self.read
+    return self.text
+
 # %% ../nbs/06b_engine.ipynb #1f42432e
 def find_stop_string(text, checked, stops, include=False):
-    "The first of `stops` in `text` past its first `checked` characters, and `text` cut there; else (None, text)."
+    "The first of `stops` in `text` after its first `checked` characters, and `text` cut there; or None, text."
     for s in stops:
         i = text.find(s, max(0, checked - len(s) + 1))
         if i >= 0: return s, text[:i + len(s)] if include else text[:i]

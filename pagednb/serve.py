@@ -733,7 +733,7 @@ def _handshake(self: AsyncMPClient, timeout):
         try: msg = self.dec.decode(self.outputs.recv_bytes())
         except EOFError: pass
     if isinstance(msg, CoreReady):
-        self.decoder = pickle.loads(msg.tokenizer)    # the output thread's own copy: it decodes as handlers encode
+        self.decoder = pickle.loads(msg.tokenizer)    # the output thread's own: it decodes as handlers encode
         tok = pickle.loads(msg.tokenizer)
         return EngineConfigView(tok, msg.vocab_size, msg.max_model_len, msg.max_logprobs)
     self.proc.join(10)
