@@ -10,10 +10,11 @@ __all__ = ['logger', 'BACKENDS', 'VLLM_ONLY', 'Request', 'EngineDeadError', 'che
            'check_knob_names', 'LLM', 'StreamDelta', 'stream_deltas']
 
 # %% ../nbs/06b_engine.ipynb #18efb34a
-import ctypes, dataclasses, difflib, functools, gc, importlib, inspect, itertools, logging, math, os, sys, time
+import ctypes, dataclasses, difflib, functools, gc, inspect, itertools, logging, math, os, sys, time
 from dataclasses import dataclass, field
 import torch
 from fastcore.basics import patch
+from tokenizers import decoders
 from transformers import AutoTokenizer
 from .model import load_model, generation_defaults
 from .block_manager import check_block_size
@@ -300,7 +301,7 @@ def _plain_fast(tokenizer) -> bool:
 # %% ../nbs/06b_engine.ipynb #f81f5fb0
 def _decode_stream(skip_special_tokens):
     "A `tokenizers` `DecodeStream` (the Rust tokenizer decoding token by token), or None where it is missing."
-    cls = getattr(importlib.import_module("tokenizers.decoders"), "DecodeStream", None)
+    cls = getattr(decoders, "DecodeStream", None)                 # tokenizers 0.21 and later
     return cls(skip_special_tokens=skip_special_tokens) if cls is not None else None
 
 class IncrementalText:
