@@ -6,7 +6,7 @@ Docs: https://pagednb.github.io/pagednb/runner.html.md"""
 
 # %% auto #0
 __all__ = ['GRAPH_BATCH_SIZES', 'GiB', 'StepInputs', 'attention_path', 'cpu_kernel_order', 'block_table_tensor', 'token_slots',
-           'decode_inputs', 'PagedAttentionBackend', 'KVPrefetcher', 'ModelRunner', 'graph_bucket',
+           'BlockTables', 'decode_inputs', 'PagedAttentionBackend', 'KVPrefetcher', 'ModelRunner', 'graph_bucket',
            'StaticDecodeInputs', 'DecodeGraphs', 'record_cuda_graph', 'model_bytes', 'GPUMemory', 'gpu_kv_budget',
            'profile_gpu_memory', 'kv_budget', 'num_kv_blocks']
 
@@ -60,11 +60,60 @@ def token_slots(block_tables, rows, positions, block_size):
     flat = rows * block_tables.shape[1] * block_size + positions       # the rows' positions laid end to end
     return compute_slot_mapping(block_tables.flatten().long(), flat, block_size)
 
+# %% ../nbs/06_runner.ipynb #5535e9fc
+class BlockTables:
+    "The running sequences' block tables in one int32 tensor kept across steps: a row each, written where it grew."
+    def __init__(self, rows=8, width=16):
+        self.buf = torch.zeros(rows, width, dtype=torch.int32)
+        self.row, self.known = {}, {}            # seq_id -> row; seq_id -> the table its row holds
+        self.free = list(range(rows - 1, -1, -1))
+
+# %% ../nbs/06_runner.ipynb #294ab00b
+@patch
+def _grow(self: BlockTables, rows, width):
+    "Make room for at least `rows` rows of `width` blocks (doubling), keeping what is written."
+    r, w = self.buf.shape
+    if rows <= r and width <= w: return
+    nr, nw = r if rows <= r else max(rows, 2 * r), w if width <= w else max(width, 2 * w)
+    buf = torch.zeros(nr, nw, dtype=torch.int32)
+    buf[:r, :w] = self.buf
+    self.free = list(range(nr - 1, r - 1, -1)) + self.free
+    self.buf = buf
+
+# %% ../nbs/06_runner.ipynb #9cd69d78
+@patch
+def _sync(self: BlockTables, seq_id, table) -> int:
+    "The row of `seq_id`, after writing what changed in `table` since the last step (all of it if unknown)."
+    r = self.row.get(seq_id)
+    if r is None:
+        if not self.free: self._grow(2 * self.buf.shape[0], 0)
+        r = self.row[seq_id] = self.free.pop()
+    known = self.known.get(seq_id, [])
+    if known == table: return r                                 # the common case: nothing to write
+    keep = len(known) if table[:len(known)] == known else 0     # grown at its end, or rewritten
+    self._grow(0, len(table))
+    self.buf[r, keep:len(table)] = torch.tensor(table[keep:], dtype=torch.int32)
+    self.buf[r, len(table):len(known)] = 0                      # shrunk: the tail goes back to padding
+    self.known[seq_id] = list(table)
+    return r
+
+# %% ../nbs/06_runner.ipynb #ff704330
+@patch
+def gather(self: BlockTables, seqs) -> torch.Tensor:
+    "The block tables of `seqs` (in order) as `[len(seqs), longest]` int32, zero-padded; others' rows are let go."
+    rows = [self._sync(s.seq_id, s.block_table) for s in seqs]
+    for gone in self.row.keys() - {s.seq_id for s in seqs}:
+        self.free.append(self.row.pop(gone))
+        self.buf[self.free[-1]] = 0
+        self.known.pop(gone, None)
+    width = max(len(s.block_table) for s in seqs)
+    return self.buf[:, :width][torch.tensor(rows)]                # a new, contiguous tensor
+
 # %% ../nbs/06_runner.ipynb #6135139c
 def decode_inputs(tables, tokens, positions, block_size, device):
-    "`StepInputs` for one token per sequence at `positions` (a draft model's step), over `tables`."
+    "`StepInputs` for one token per sequence at `positions`, over `tables` (lists, or their int32 tensor)."
     pos = torch.as_tensor(positions)
-    bt = block_table_tensor(tables)
+    bt = tables if torch.is_tensor(tables) else block_table_tensor(tables)
     slots = token_slots(bt, torch.arange(len(tables)), pos, block_size)
     qsl = torch.arange(len(tables) + 1, dtype=torch.int32)
     lens = (pos + 1).to(torch.int32)
@@ -193,6 +242,7 @@ class ModelRunner:
         if on_cpu: self.kv_cache = zeros_huge_pages(shape, w.dtype)
         else: self.kv_cache = torch.zeros(shape, dtype=w.dtype, device=w.device)
         self.attn = PagedAttentionBackend(self.kv_cache, c.head_dim**-0.5, attention_backend)
+        self.tables = BlockTables()                                # block tables kept across steps
         self.prefetch = KVPrefetcher(self.kv_cache) if on_cpu else None
         self.graphs = None                                         # decode graphs, on a GPU (below)
 
@@ -208,7 +258,7 @@ def batch_inputs(self: ModelRunner, plan) -> StepInputs:
     qsl[1:] = n.cumsum(0)
     row = torch.repeat_interleave(torch.arange(len(sch)), n)
     pos = start[row] + torch.arange(len(ids)) - qsl[:-1].long()[row]
-    bt = block_table_tensor([s.seq.block_table for s in sch])
+    bt = self.tables.gather([s.seq for s in sch])
     slots = token_slots(bt, row, pos, bs)
     lens = (start + n).to(torch.int32)
     return StepInputs(torch.tensor(ids, device=dev), pos.to(dev), slots.to(dev), bt.to(dev),
@@ -220,7 +270,7 @@ def prepare_inputs(self: ModelRunner, plan) -> StepInputs:
     "Flat `input_ids`, `positions`, `slot_mapping`, `block_tables`, `seq_lens`, `query_start_loc` for a plan."
     sch = plan.scheduled
     if any(s.num_new_tokens != 1 for s in sch): return self.batch_inputs(plan)
-    tables, tokens = [s.seq.block_table for s in sch], [s.seq.token_ids[s.start] for s in sch]
+    tables, tokens = self.tables.gather([s.seq for s in sch]), [s.seq.token_ids[s.start] for s in sch]
     return decode_inputs(tables, tokens, [s.start for s in sch], self.block_size, self.device)
 
 # %% ../nbs/06_runner.ipynb #c786485c

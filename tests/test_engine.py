@@ -157,3 +157,30 @@ def test_cpu_kernel_on_and_off(parts, prompts, reference, monkeypatch):
     monkeypatch.setenv("PAGEDNB_CPU_KERNEL", "0")
     llm, got = run(parts, prompts, max_model_len=1024)
     assert got == reference and llm.engine.runner.attn.path == "torch"
+
+KEPT_TABLES = {
+    "preemption": (dict(max_model_len=192, num_gpu_blocks_override=24, max_num_batched_tokens=128), {}),
+    "forks_n3": (dict(max_model_len=1024, num_gpu_blocks_override=96), dict(n=3, temperature=0.8, seed=1)),
+    "ngram_drafts": (dict(max_model_len=1024, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                                  "prompt_lookup_max": 3}), {}),
+}
+
+@pytest.mark.parametrize("case", list(KEPT_TABLES))
+def test_block_tables_kept_across_steps_equal_rebuilt_ones(case, parts, prompts):
+    "The runner's `BlockTables` (written only where a table changed) give every step the tables built afresh."
+    from pagednb.runner import block_table_tensor
+    kw, sp = KEPT_TABLES[case]
+    llm = LLM(parts, log=False, **kw)
+    runner, seen = llm.engine.runner, []
+    prepare = runner.prepare_inputs
+    def checked(plan):
+        x = prepare(plan)
+        fresh = block_table_tensor([s.seq.block_table for s in plan.scheduled])
+        assert torch.equal(x.block_tables, fresh)
+        seen.append(len(plan.scheduled))
+        return x
+    runner.prepare_inputs = checked
+    llm.generate(prompts, SamplingParams(max_tokens=MAX_NEW, **({"temperature": 0} | sp)), use_tqdm=False)
+    assert len(seen) >= MAX_NEW and max(seen) > 1
+    if case == "preemption": assert llm.get_metrics()["num_preemptions"] > 0
+    check_all_free(llm)
