@@ -1628,7 +1628,8 @@ def _routes(app, server):
         if not server.aengine.is_running: return JSONResponse({"status": "engine stopped"}, status_code=503)
         return {"status": "ok"}
     app.get("/health")(health)
-    app.api_route("/ping", methods=["GET", "POST"])(health)          # vLLM's (SageMaker's) liveness route
+    app.get("/ping")(health)                                         # vLLM's (SageMaker's) liveness route,
+    app.post("/ping")(health)                                        # a route per method: one operation id each
     @app.get("/version")
     async def version(): return {"version": __version__}
     @app.get("/metrics", response_class=PlainTextResponse)
