@@ -6,14 +6,15 @@ Docs: https://pagednb.github.io/pagednb/benchmarks.html.md"""
 
 # %% auto #0
 __all__ = ['VLLM_ENV', 'PREFIX_SIZES', 'CHUNKED_SIZES', 'GROUNDED_PROMPTS', 'OPEN_PROMPTS', 'NGRAM', 'SPEC_CONFIGS',
-           'GUIDELLM_ENV', 'GUIDELLM_PROFILES', 'GUIDELLM_APIS', 'SERVED_NAME', 'GUIDELLM_SWEEP', 'BENCHMARKS',
-           'DEFAULT_BENCHMARKS', 'FORMATTERS', 'machine_info', 'Workload', 'random_prompt', 'make_workload', 'greedy',
-           'kv_bytes_for', 'run_pagednb', 'resolve_model_path', 'load_hf', 'run_hf', 'find_vllm_python', 'run_vllm',
-           'bench_throughput', 'format_throughput', 'prefix_workloads', 'bench_prefix', 'format_prefix',
-           'stream_token_times', 'bench_chunked', 'format_chunked', 'bench_spec', 'format_spec', 'profile_pagednb',
-           'format_profile', 'host_model', 'bench_host', 'format_host', 'find_guidellm', 'guidellm_profile',
-           'guidellm_command', 'parse_guidellm', 'server_command', 'ServerProcess', 'run_guidellm', 'load_name',
-           'bench_guidellm', 'format_guidellm', 'format_report', 'run_benchmarks', 'make_parser', 'main']
+           'GUIDELLM_ENV', 'GUIDELLM_PROFILES', 'GUIDELLM_APIS', 'GUIDELLM_SEED', 'SERVED_NAME', 'GUIDELLM_SWEEP',
+           'BENCHMARKS', 'DEFAULT_BENCHMARKS', 'FORMATTERS', 'machine_info', 'Workload', 'random_prompt',
+           'make_workload', 'greedy', 'kv_bytes_for', 'run_pagednb', 'resolve_model_path', 'load_hf', 'run_hf',
+           'find_vllm_python', 'run_vllm', 'bench_throughput', 'format_throughput', 'prefix_workloads', 'bench_prefix',
+           'format_prefix', 'stream_token_times', 'bench_chunked', 'format_chunked', 'bench_spec', 'format_spec',
+           'profile_pagednb', 'format_profile', 'host_model', 'bench_host', 'format_host', 'find_guidellm',
+           'guidellm_profile', 'guidellm_command', 'load_seeds', 'parse_guidellm', 'server_command', 'ServerProcess',
+           'run_guidellm', 'load_name', 'bench_guidellm', 'format_guidellm', 'format_report', 'run_benchmarks',
+           'make_parser', 'main']
 
 # %% ../nbs/09_benchmarks.ipynb #d6f3b17d
 import argparse, itertools, json, os, platform, random, statistics, subprocess, sys, tempfile, time, textwrap
@@ -771,16 +772,24 @@ def guidellm_profile(streams=8, rate=None) -> str:
 
 # %% ../nbs/09_benchmarks.ipynb #d37eab3d
 def guidellm_command(guidellm, url, api, tokenizer, out_json, prompt_tokens=256, output_tokens=64, streams=8,
-                     max_requests=48, max_seconds=300, rate=None):
+                     max_requests=48, max_seconds=300, rate=None, seed=42):
     "The `guidellm run` command of a synthetic profile against the server at `url`, on `api` (chat or text)."
     return [guidellm, "run",
             "--backend", f"kind=openai_http,target={url},request_format={GUIDELLM_APIS[api]}",
             "--profile", guidellm_profile(streams, rate),
             "--data", f"kind=synthetic_text,prompt_tokens={prompt_tokens},output_tokens={output_tokens}",
+            "--seed", f"kind=static,value={seed}",                   # the prompts' text and the arrivals
             "--constraint", f"kind=max_requests,count={max_requests}",
             "--constraint", f"kind=max_duration,seconds={max_seconds}",
             "--tokenizer", f"kind=huggingface_auto,model={tokenizer}",
             "--output", f"kind=json,path={out_json}", "--disable-console-interactive"]
+
+# %% ../nbs/09_benchmarks.ipynb #guidellm-seed-fn
+GUIDELLM_SEED = 42
+
+def load_seeds(apis, loads, seed=GUIDELLM_SEED):
+    "Each `(api, load)` of a run with the seed of its prompts: one per pair, the same for every server."
+    return [(api, load, seed + i) for i, (api, load) in enumerate(itertools.product(apis, loads))]
 
 # %% ../nbs/09_benchmarks.ipynb #36427db5
 def _dist(m, key, stat):
@@ -895,8 +904,8 @@ def _serve_and_measure(engine, python, path, guidellm, apis, loads, profile, thr
     rows = []
     try:
         with ServerProcess(engine, path, threads=threads, kv_gib=kv_gib, python=python) as s:
-            for api, load in itertools.product(apis, loads):
-                r = run_guidellm(guidellm, s.url, api, path, **(profile | load))
+            for api, load, seed in load_seeds(apis, loads):
+                r = run_guidellm(guidellm, s.url, api, path, **(profile | load), seed=seed)
                 rows.append(dict(engine=engine, api=api, load=load_name(load), server_start_s=s.start_s, **r,
                                  load_avg_1m=_load()))
     except RuntimeError as e: rows.append(dict(engine=engine, skipped=str(e)))
