@@ -55,13 +55,15 @@ REPORT = dict(metadata=dict(guidellm_version="0.8.1"), benchmarks=[dict(duration
 
 # A stand-in `guidellm run`: checks the server it is pointed at answers /health and /v1/models, then writes REPORT.
 FAKE_GUIDELLM = f'''#!{sys.executable}
-import json, sys, urllib.request
+import json, os, sys, urllib.request
 args = dict(zip(sys.argv[2::2], sys.argv[3::2]))
 opts = lambda flag: dict(kv.split("=", 1) for kv in args[flag].split(","))
 target = opts("--backend")["target"]
 assert urllib.request.urlopen(target + "/health").status == 200
 assert json.load(urllib.request.urlopen(target + "/v1/models"))["data"]
 json.dump({json.dumps(REPORT)}, open(opts("--output")["path"], "w"))
+if "FAKE_GUIDELLM_SEEDS" in os.environ:                          # where the whole-loop test reads the seeds back
+    open(os.environ["FAKE_GUIDELLM_SEEDS"], "a").write(opts("--seed")["value"] + "\\n")
 '''
 
 def test_guidellm_pieces(tmp_path, monkeypatch):
@@ -92,8 +94,11 @@ def test_guidellm_against_pagednb_serve(tmp_path, monkeypatch):
     fake.write_text(FAKE_GUIDELLM)
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv(GUIDELLM_ENV, str(fake))
-    g = bench_guidellm(find_guidellm(), None, threads=1, quick=True, apis=("text",))
-    pg, vllm = g["rows"]
+    monkeypatch.setenv("FAKE_GUIDELLM_SEEDS", str(tmp_path / "seeds"))
+    g = bench_guidellm(find_guidellm(), None, threads=1, quick=True, apis=("text",), loads=[dict(streams=1), dict(rate=2.0)])
+    pg, pg2, vllm = g["rows"]
     assert pg["engine"] == "pagednb" and pg["api"] == "text" and pg["output_tok_s"] == 50.0 and pg["errored"] == 0, pg
+    assert (pg["load"], pg2["load"]) == ("c1", "p2.0")
+    assert (tmp_path / "seeds").read_text().split() == ["42", "43"]          # each load its own prompts
     assert "skipped" in vllm and VLLM_ENV in vllm["skipped"]
     assert "pagednb serve" in format_guidellm(g)
