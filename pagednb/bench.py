@@ -803,6 +803,13 @@ def _first_error(b):
     return next((str(e)[:300] for e in errs if e), None)
 
 # %% ../nbs/09_benchmarks.ipynb #350c00b9
+def _sent_at_once(b) -> bool:
+    "Whether GuideLLM's schedule put every request's target time before the run began: offsets from 0, not times."
+    infos = [r.get("info", {}) for r in b.get("requests", {}).get("successful", [])]
+    late = [i["timings"]["targeted_start"] < i["scheduler_start_time"] - 1e6 for i in infos
+            if i.get("scheduler_start_time") and (i.get("timings") or {}).get("targeted_start") is not None]
+    return bool(late) and all(late)
+
 def parse_guidellm(report) -> dict:
     "The figures of a GuideLLM JSON report (a dict or a path): output tok/s, TTFT, ITL, latency, counts."
     if not isinstance(report, dict): report = json.load(open(report))
@@ -814,7 +821,8 @@ def parse_guidellm(report) -> dict:
                 itl_p50_ms=d("inter_token_latency_ms", "p50"), itl_p95_ms=d("inter_token_latency_ms", "p95"),
                 latency_p50_s=d("request_latency", "p50"), requests=n["successful"], errored=n["errored"],
                 incomplete=n["incomplete"], duration_s=round(b["duration"], 2),
-                guidellm=report.get("metadata", {}).get("guidellm_version"), first_error=_first_error(b))
+                guidellm=report.get("metadata", {}).get("guidellm_version"), first_error=_first_error(b),
+                sent_at_once=_sent_at_once(b))
 
 # %% ../nbs/09_benchmarks.ipynb #df5c3e1e
 SERVED_NAME = "SmolLM2-135M-Instruct"
@@ -938,7 +946,9 @@ def _load_key(name):
 
 def format_guidellm(g):
     "The serving table: one row per server and API, then what was skipped and the first error of each run."
-    p, ok = g["profile"], [dict(r, peer=_server_name(r)) for r in g["rows"] if "skipped" not in r]
+    ok = [dict(r, peer=_server_name(r), sent="yes" if r.get("sent_at_once") else "")
+          for r in g["rows"] if "skipped" not in r]
+    p = g["profile"]
     head = (f"## Serving, GuideLLM {next((r['guidellm'] for r in ok), '')}: load c = concurrent streams, "
             f"p = Poisson requests/s; {p['prompt_tokens']}-token prompts, "
             f"{p['output_tokens']} output tokens, "
@@ -947,7 +957,7 @@ def format_guidellm(g):
     cols = [("load", "load"), ("peer", "server"), ("api", "API"), ("output_tok_s", "out tok/s"),
             ("ttft_p50_ms", "TTFT p50 (ms)"), ("itl_p50_ms", "ITL p50 (ms)"), ("itl_p95_ms", "ITL p95 (ms)"),
             ("latency_p50_s", "latency p50 (s)"), ("requests", "requests"), ("errored", "errored"),
-            ("incomplete", "incomplete"),
+            ("incomplete", "incomplete"), ("sent", "all sent at once"),
             ("load_avg_1m", "load avg after")]
     skipped = [f"({r['engine']} {r.get('api', '')} skipped: {r['skipped']})"
                for r in g["rows"] if "skipped" in r]
