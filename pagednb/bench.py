@@ -763,6 +763,7 @@ GUIDELLM_PROFILES = dict(
     full=dict(prompt_tokens=256, output_tokens=64, streams=8, max_requests=48, max_seconds=300),
     quick=dict(prompt_tokens=32, output_tokens=8, streams=2, max_requests=4, max_seconds=120))
 GUIDELLM_APIS = {"chat": "/v1/chat/completions", "text": "/v1/completions"}
+GUIDELLM_SEED = 42                                   # GuideLLM's own default
 
 def guidellm_profile(streams=8, rate=None) -> str:
     "GuideLLM's `--profile`: `streams` concurrent requests, or Poisson arrivals at `rate` requests a second."
@@ -772,7 +773,7 @@ def guidellm_profile(streams=8, rate=None) -> str:
 
 # %% ../nbs/09_benchmarks.ipynb #d37eab3d
 def guidellm_command(guidellm, url, api, tokenizer, out_json, prompt_tokens=256, output_tokens=64, streams=8,
-                     max_requests=48, max_seconds=300, rate=None, seed=42):
+                     max_requests=48, max_seconds=300, rate=None, seed=GUIDELLM_SEED):
     "The `guidellm run` command of a synthetic profile against the server at `url`, on `api` (chat or text)."
     return [guidellm, "run",
             "--backend", f"kind=openai_http,target={url},request_format={GUIDELLM_APIS[api]}",
@@ -785,8 +786,6 @@ def guidellm_command(guidellm, url, api, tokenizer, out_json, prompt_tokens=256,
             "--output", f"kind=json,path={out_json}", "--disable-console-interactive"]
 
 # %% ../nbs/09_benchmarks.ipynb #guidellm-seed-fn
-GUIDELLM_SEED = 42
-
 def load_seeds(apis, loads, seed=GUIDELLM_SEED):
     "Each `(api, load)` of a run with the seed of its prompts: one per pair, the same for every server."
     return [(api, load, seed + i) for i, (api, load) in enumerate(itertools.product(apis, loads))]
@@ -804,10 +803,10 @@ def _first_error(b):
 
 # %% ../nbs/09_benchmarks.ipynb #350c00b9
 def _sent_at_once(b) -> bool:
-    "Whether GuideLLM's schedule put every request's target time before the run began: offsets from 0, not times."
+    "Whether GuideLLM's schedule put every request's target before the run began: offsets from 0, not Unix times."
     infos = [r.get("info", {}) for r in b.get("requests", {}).get("successful", [])]
-    late = [i["timings"]["targeted_start"] < i["scheduler_start_time"] - 1e6 for i in infos
-            if i.get("scheduler_start_time") and (i.get("timings") or {}).get("targeted_start") is not None]
+    pairs = [(i["timings"].get("targeted_start"), i.get("scheduler_start_time")) for i in infos if "timings" in i]
+    late = [t < start - 1e6 for t, start in pairs if t is not None and start]   # 1e6 s: 11 days before the start
     return bool(late) and all(late)
 
 def parse_guidellm(report) -> dict:

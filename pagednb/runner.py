@@ -65,7 +65,7 @@ class BlockTables:
     "The running sequences' block tables in one int32 tensor kept across steps: a row each, written where it grew."
     def __init__(self, rows=8, width=16):
         self.buf = torch.zeros(rows, width, dtype=torch.int32)
-        self.row, self.known = {}, {}            # seq_id -> row; seq_id -> the table its row holds
+        self.held = {}                           # seq_id -> (its row, the table that row holds)
         self.free = list(range(rows - 1, -1, -1))
 
 # %% ../nbs/06_runner.ipynb #294ab00b
@@ -84,17 +84,16 @@ def _grow(self: BlockTables, rows, width):
 @patch
 def _sync(self: BlockTables, seq_id, table) -> int:
     "The row of `seq_id`, after writing what changed in `table` since the last step (all of it if unknown)."
-    r = self.row.get(seq_id)
-    if r is None:
+    if seq_id not in self.held:
         if not self.free: self._grow(2 * self.buf.shape[0], 0)
-        r = self.row[seq_id] = self.free.pop()
-    known = self.known.get(seq_id, [])
+        self.held[seq_id] = (self.free.pop(), [])
+    r, known = self.held[seq_id]
     if known == table: return r                                 # the common case: nothing to write
     keep = len(known) if table[:len(known)] == known else 0     # grown at its end, or rewritten
     self._grow(0, len(table))
     self.buf[r, keep:len(table)] = torch.tensor(table[keep:], dtype=torch.int32)
     self.buf[r, len(table):len(known)] = 0                      # shrunk: the tail goes back to padding
-    self.known[seq_id] = list(table)
+    self.held[seq_id] = (r, list(table))
     return r
 
 # %% ../nbs/06_runner.ipynb #ff704330
@@ -102,10 +101,10 @@ def _sync(self: BlockTables, seq_id, table) -> int:
 def gather(self: BlockTables, seqs) -> torch.Tensor:
     "The block tables of `seqs` (in order) as `[len(seqs), longest]` int32, zero-padded; others' rows are let go."
     rows = [self._sync(s.seq_id, s.block_table) for s in seqs]
-    for gone in self.row.keys() - {s.seq_id for s in seqs}:
-        self.free.append(self.row.pop(gone))
-        self.buf[self.free[-1]] = 0
-        self.known.pop(gone, None)
+    for gone in self.held.keys() - {s.seq_id for s in seqs}:
+        r, _ = self.held.pop(gone)
+        self.buf[r] = 0                                           # padding again, for the row's next owner
+        self.free.append(r)
     width = max(len(s.block_table) for s in seqs)
     return self.buf[:, :width][torch.tensor(rows)]                # a new, contiguous tensor
 
