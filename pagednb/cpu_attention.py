@@ -173,10 +173,11 @@ def require(self: CppLibrary, instead=""):
 
 # %% ../nbs/04a_cpu_attention.ipynb #5a1c0e24
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-_ATTENTION_ARGS = [_P, _P, _P, _P, _P, _I64, _P, _P, _P, _I64, _I, _I, _I, _I, _F, _I]
+_ATTENTION_ARGS = [_P, _P, _P, _P, _P, _I64, _P, _P, _P, _I64, _I, _I, _I, _I, _F, _I, _I]
 cpu_kernel = CppLibrary("cpu_attention.cpp", "PAGEDNB_CPU_KERNEL", dict(
     pagednb_paged_attention_f32=(_ATTENTION_ARGS, _I),
     pagednb_supports=([_I, _I, _I], _I),
+    pagednb_wide_decode=([_I, _I, _I], _I),
     pagednb_store_kv_f32=([_P, _P, _P, _P, _P, _I64, _I64], None)),
     what="the CPU attention kernel is", fallback="the torch backend uses SDPA instead")
 
@@ -211,17 +212,17 @@ def _check_kernel_shapes(query, k_cache, out):
         raise ValueError(f"out must be a contiguous {query.dtype} tensor of shape {tuple(query.shape)}")
 
 # %% ../nbs/04a_cpu_attention.ipynb #72dd3d85
-def _attend_f32(lib, out, query, k_cache, v_cache, bt, lens, qsl, seqs, scale, threads):
+def _attend_f32(lib, out, query, k_cache, v_cache, bt, lens, qsl, seqs, scale, threads, wide=True):
     "One call of the C kernel for the sequences `seqs`, writing their rows of `out`; its code (0: done)."
     _, H, D = query.shape
     _, bs, kvh, _ = k_cache.shape
     ptrs = [t.data_ptr() for t in (out, query, k_cache, v_cache, bt)]
     metadata = [bt.stride(0), lens.data_ptr(), qsl.data_ptr(), seqs.data_ptr(), seqs.numel()]
-    return lib.pagednb_paged_attention_f32(*ptrs, *metadata, H, kvh, D, bs, scale, threads)
+    return lib.pagednb_paged_attention_f32(*ptrs, *metadata, H, kvh, D, bs, scale, threads, int(wide))
 
 # %% ../nbs/04a_cpu_attention.ipynb #5eaee17d
 def paged_attention_cpu(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                        seqs=None, out=None, checked=False):
+                        seqs=None, out=None, checked=False, wide=True):
     "Paged attention on the CPU kernel, reading pages in place; the rows of `seqs` (default all) go to `out`."
     if not checked: _check_call(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
     lib = cpu_kernel.require("use backend='torch'")
@@ -232,7 +233,7 @@ def paged_attention_cpu(query, k_cache, v_cache, block_tables, seq_lens, query_s
     seqs = torch.arange(lens.shape[0], dtype=torch.int32) if seqs is None else _int32(seqs)
     if seqs.numel() == 0: return out
     threads = torch.get_num_threads()
-    rc = _attend_f32(lib, out, query, k_cache, v_cache, bt, lens, qsl, seqs, float(scale), threads)
+    rc = _attend_f32(lib, out, query, k_cache, v_cache, bt, lens, qsl, seqs, float(scale), threads, wide)
     if rc == 1: raise MemoryError("the CPU attention kernel could not allocate its per-thread buffers")
     if rc:
         raise RuntimeError(f"the CPU attention kernel refused the call (code {rc}: no compiled variant for "

@@ -21,6 +21,19 @@ def test_matches_spec(shape, seed):
     p = make_paged_problem(lens, qlens, num_heads=H, num_kv_heads=kvh, head_dim=D, block_size=bs, seed=seed).fill()
     torch.testing.assert_close(C.paged_attention_cpu(*p.args), paged_attention_spec(*p.args), atol=2e-5, rtol=2e-5)
 
+@pytest.mark.parametrize("D", [16, 32, 64, 128])
+@pytest.mark.parametrize("G", range(1, 9))
+def test_decodes_both_kernels_match_spec(G, D):
+    "Decodes on the 16-lane kernel (where compiled) and on the 8-lane one: every head grouping, ragged lengths."
+    kvh, bs = 1 + G % 3, (8, 16, 32)[G % 3]
+    lens = [1, 7, 16, 17, 40, 129][: 3 + G % 4]
+    p = make_paged_problem(lens, num_heads=G * kvh, num_kv_heads=kvh, head_dim=D, block_size=bs, seed=G).fill()
+    want = paged_attention_spec(*p.args)
+    wide = C.paged_attention_cpu(*p.args)
+    torch.testing.assert_close(wide, want, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(C.paged_attention_cpu(*p.args, wide=False), want, atol=2e-5, rtol=2e-5)
+    assert not wide.isnan().any()                                     # unowned slots hold NaN: never read
+
 def test_shared_prefix_and_no_nan():
     p = make_paged_problem([64, 80, 100], [1, 3, 16], num_heads=9, num_kv_heads=3, shared_prefix=48, seed=4).fill()
     out = C.paged_attention_cpu(*p.args)      # the cache holds NaN in every slot no sequence owns
@@ -166,7 +179,7 @@ def _break(path, old, new):
 
 def test_compile_error_names_file_and_line(tmp_path):
     src = _copy_sources(tmp_path)
-    line = _break(src, "l[g] *= c;", "l[g] *= not_a_name;")
+    line = _break(src, "*l *= c;", "*l *= not_a_name;")
     with pytest.raises(RuntimeError) as e: C.build_cpu_kernel(src, cache=tmp_path/"cache")
     msg = str(e.value)
     assert f"could not compile the CPU kernel cpu_attention ({src})" in msg

@@ -36,6 +36,75 @@ static inline v8 fold(v8 lo, v8 hi) {
          __builtin_shufflevector(lo, hi, 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
+// A vector of V's width from any float address, and back
+template <class V>
+static inline V load(const float* p) {
+  V x;
+  std::memcpy(&x, p, sizeof x);
+  return x;
+}
+template <class V>
+static inline void store(float* p, V x) { std::memcpy(p, &x, sizeof x); }
+static inline v8 vexp(v8 x) { return exp8(x); }
+
+#if defined(__AVX512F__)
+// The same for 16 floats, one AVX-512 register (the 16-lane decode below)
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));  // the same, loaded from any float address
+typedef int32_t i16 __attribute__((vector_size(64)));
+
+static inline v16 ld16(const float* p) { return *(const v16u*)p; }
+static inline void st16(float* p, v16 x) { *(v16u*)p = x; }
+static inline v8 lo8(v16 x) { return __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7); }
+static inline v8 hi8(v16 x) { return __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15); }
+static inline float hsum(v16 x) { return hsum(lo8(x) + hi8(x)); }
+static inline float hmax(v16 x) {
+  const v8 a = lo8(x), b = hi8(x);
+  return hmax(a > b ? a : b);
+}
+
+// exp8 on 16 floats
+static inline v16 vexp(v16 x) {
+  const auto tiny = x < -87.f;
+  x = tiny ? v16{} - 87.f : x;
+  v16 nr;
+  const v16 p = exp_reduced(x, &nr);
+  const i16 bits = (__builtin_convertvector(nr, i16) + 127) << 23;
+  v16 two_n;
+  std::memcpy(&two_n, &bits, sizeof bits);
+  return tiny ? v16{} : p * two_n;
+}
+#endif
+
+// The online softmax of one head over one page's scores pg[0, n) (padded with -inf to whole vectors of V): pg
+// becomes e^(score - max), and the running max m, sum l and accumulator acc[0, D) are brought up to date.
+template <class V, int D>
+static inline void softmax_page(float* __restrict pg, int n, float* m, float* l, float* __restrict acc) {
+  constexpr int W = sizeof(V) / sizeof(float);
+  const int nw = (n + W - 1) / W * W;
+  for (int u = n; u < nw; u++) pg[u] = -INFINITY;
+  V mv = V{} + *m;
+  for (int u = 0; u < nw; u += W) {
+    const V x = load<V>(pg + u);
+    mv = mv > x ? mv : x;
+  }
+  const float mx = hmax(mv);
+  V sum = {};
+  for (int u = 0; u < nw; u += W) {
+    const V e = vexp(load<V>(pg + u) - mx);
+    store(pg + u, e);
+    sum += e;
+  }
+  // a new maximum: rescale what was summed so far
+  if (mx != *m) {
+    const float c = std::exp(*m - mx);
+    *l *= c;
+    for (int d = 0; d < D; d += W) store(acc + d, load<V>(acc + d) * c);
+    *m = mx;
+  }
+  *l += hsum(sum);
+}
+
 // Scores of NG query heads (scaled, qs[g*D..]) against 8 tokens of one page slice starting at kp (rows `row`
 // apart) into p[g*PS + t0..].
 template <int NG, int D>
@@ -113,31 +182,7 @@ static inline void page_block(float* __restrict acc, float* __restrict m, float*
       for (int c = 0; c < V; c++) s0 += ld(qs + g * D + 8 * c) * ld(kp + t * row + 8 * c);
       p[g * PS + t] = hsum(s0);
     }
-  const int lim8 = (lim + 7) & ~7;
-  for (int g = 0; g < NG; g++) {
-    float* pg = p + g * PS;
-    for (int u = lim; u < lim8; u++) pg[u] = -INFINITY;
-    v8 mv = splat(m[g]);
-    for (int u = 0; u < lim; u += 8) {
-      const v8 x = ld(pg + u);
-      mv = mv > x ? mv : x;
-    }
-    const float mx = hmax(mv);
-    v8 sum = {};
-    for (int u = 0; u < lim; u += 8) {
-      const v8 e = exp8(ld(pg + u) - splat(mx));
-      st(pg + u, e);
-      sum += e;
-    }
-    // a new maximum: rescale what was summed so far
-    if (mx != m[g]) {
-      const float c = std::exp(m[g] - mx);
-      l[g] *= c;
-      for (int d = 0; d < D; d += 8) st(acc + g * D + d, ld(acc + g * D + d) * splat(c));
-      m[g] = mx;
-    }
-    l[g] += hsum(sum);
-  }
+  for (int g = 0; g < NG; g++) softmax_page<v8, D>(p + g * PS, lim, m + g, l + g, acc + g * D);
   accumulate<NG, D>(acc, p, PS, vp, row, lim, vn, BS);
 }
 
@@ -214,30 +259,195 @@ static void attend(float* __restrict out, const float* __restrict q, const float
       }
 }
 
+#if defined(__AVX512F__)
+// Decodes (one query token) with 16 floats to a vector, for CPUs with AVX-512. The kernel above scores 8 tokens
+// against 8-lane vectors and sums V once per query head; here a head_dim-64 row is 4 vectors, the scores of 16
+// tokens are reduced together, and each V row is loaded once for all of a kv head's query heads.
+
+// Four tokens' products (a vector each) -> one vector whose 128-bit lane j holds, for each token in turn, the sum
+// of its lane j.
+static inline v16 sum4(v16 a, v16 b, v16 c, v16 d) {
+  // within each lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+  const v16 ab = __builtin_shufflevector(a, b, 0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29) +
+                 __builtin_shufflevector(a, b, 2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31);
+  const v16 cd = __builtin_shufflevector(c, d, 0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13, 29) +
+                 __builtin_shufflevector(c, d, 2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15, 31);
+  return __builtin_shufflevector(ab, cd, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+         __builtin_shufflevector(ab, cd, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+}
+// Four sum4 results (tokens 0-3, 4-7, 8-11, 12-15) -> the 16 tokens' totals in order: lane k of the result adds
+// up the four 128-bit lanes of u_k.
+#define LANES(a, b, c, d) 4 * a, 4 * a + 1, 4 * a + 2, 4 * a + 3, 4 * b, 4 * b + 1, 4 * b + 2, 4 * b + 3, \
+                          4 * c, 4 * c + 1, 4 * c + 2, 4 * c + 3, 4 * d, 4 * d + 1, 4 * d + 2, 4 * d + 3
+static inline v16 sum_lanes(v16 u0, v16 u1, v16 u2, v16 u3) {
+  const v16 a = __builtin_shufflevector(u0, u1, LANES(0, 2, 4, 6)) +
+                __builtin_shufflevector(u0, u1, LANES(1, 3, 5, 7));
+  const v16 b = __builtin_shufflevector(u2, u3, LANES(0, 2, 4, 6)) +
+                __builtin_shufflevector(u2, u3, LANES(1, 3, 5, 7));
+  return __builtin_shufflevector(a, b, LANES(0, 2, 4, 6)) + __builtin_shufflevector(a, b, LANES(1, 3, 5, 7));
+}
+#undef LANES
+
+// Scores of NG heads (scaled, qs[g*D..]) against the n tokens of one page slice at kp, 16 at a time, into
+// p[g*PS..]; tokens past n read row n - 1 (inside the page) and are masked by the caller.
+template <int NG, int D>
+static inline void scores16(float* __restrict p, int PS, const float* __restrict qs, const float* __restrict kp,
+                            int64_t row, int n, const float* kn) {
+  constexpr int C = D / 16;
+  v16 q[NG][C];
+#pragma GCC unroll 16
+  for (int g = 0; g < NG; g++)
+    for (int c = 0; c < C; c++) q[g][c] = ld16(qs + g * D + 16 * c);
+  for (int t0 = 0; t0 < n; t0 += 16) {
+    alignas(64) float u[NG][4][16];
+#pragma GCC unroll 4
+    for (int qd = 0; qd < 4; qd++) {
+      const float* k[4];
+      for (int i = 0; i < 4; i++) k[i] = kp + std::min(t0 + 4 * qd + i, n - 1) * row;
+      if (kn)
+        for (int i = 0; i < 4; i++)
+          for (int d = 0; d < D; d += 16) __builtin_prefetch(kn + (t0 + 4 * qd + i) * row + d, 0, 1);
+      v16 s[NG][4];
+#pragma GCC unroll 16
+      for (int i = 0; i < 4; i++) {
+        const v16 kv = ld16(k[i]);
+        for (int g = 0; g < NG; g++) s[g][i] = q[g][0] * kv;
+      }
+#pragma GCC unroll 16
+      for (int c = 1; c < C; c++)
+        for (int i = 0; i < 4; i++) {
+          const v16 kv = ld16(k[i] + 16 * c);
+          for (int g = 0; g < NG; g++) s[g][i] += q[g][c] * kv;
+        }
+#pragma GCC unroll 16
+      for (int g = 0; g < NG; g++) st16(u[g][qd], sum4(s[g][0], s[g][1], s[g][2], s[g][3]));
+    }
+#pragma GCC unroll 16
+    for (int g = 0; g < NG; g++)
+      st16(p + g * PS + t0, sum_lanes(ld16(u[g][0]), ld16(u[g][1]), ld16(u[g][2]), ld16(u[g][3])));
+  }
+}
+
+// One page slice for NG heads of one kv head: scores, online softmax, then each V row once for all NG heads.
+template <int NG, int D>
+static inline void page16(float* __restrict acc, float* __restrict m, float* __restrict l, float* __restrict p,
+                          int PS, const float* __restrict qs, const float* __restrict kp,
+                          const float* __restrict vp, int64_t row, int n, int BS, const float* kn,
+                          const float* vn) {
+  constexpr int C = D / 16;
+  scores16<NG, D>(p, PS, qs, kp, row, n, kn);
+  for (int g = 0; g < NG; g++) softmax_page<v16, D>(p + g * PS, n, m + g, l + g, acc + g * D);
+  v16 a[NG][C];
+#pragma GCC unroll 16
+  for (int g = 0; g < NG; g++)
+    for (int c = 0; c < C; c++) a[g][c] = ld16(acc + g * D + 16 * c);
+  for (int u = 0; u < n; u++) {
+    if (vn)
+      for (int d = 0; d < D; d += 16) __builtin_prefetch(vn + u * row + d, 0, 1);
+    v16 v[C];
+#pragma GCC unroll 16
+    for (int c = 0; c < C; c++) v[c] = ld16(vp + u * row + 16 * c);
+#pragma GCC unroll 16
+    for (int g = 0; g < NG; g++) {
+      const float e = p[g * PS + u];
+      for (int c = 0; c < C; c++) a[g][c] += e * v[c];
+    }
+  }
+#pragma GCC unroll 16
+  for (int g = 0; g < NG; g++)
+    for (int c = 0; c < C; c++) st16(acc + g * D + 16 * c, a[g][c]);
+}
+
+// The G query heads of one kv head in blocks of up to NG, so that their q and V sums stay in registers.
+template <int NG, int D>
+static inline void heads16(float* acc, float* m, float* l, float* p, int PS, const float* qs, const float* kp,
+                           const float* vp, int64_t row, int n, int BS, int G, const float* kn,
+                           const float* vn) {
+  int g = 0;
+  for (; g + NG <= G; g += NG, kn = vn = nullptr)
+    page16<NG, D>(acc + g * D, m + g, l + g, p, PS, qs + g * D, kp, vp, row, n, BS, kn, vn);
+  switch (G - g) {
+    case 1: page16<1, D>(acc + g * D, m + g, l + g, p, PS, qs + g * D, kp, vp, row, n, BS, kn, vn); break;
+    case 2: page16<2, D>(acc + g * D, m + g, l + g, p, PS, qs + g * D, kp, vp, row, n, BS, kn, vn); break;
+    case 3: page16<3, D>(acc + g * D, m + g, l + g, p, PS, qs + g * D, kp, vp, row, n, BS, kn, vn); break;
+  }
+}
+
+// attend for a single query token (nq = 1), 16 floats to a vector; the same arguments.
+template <int G, int D>
+static void decode16(float* __restrict out, const float* __restrict q, const float* __restrict kc,
+                     const float* __restrict vc, const int32_t* __restrict bt, int L, int nq, int h0, int h1,
+                     int H, int KVH, int BS, float scale, float* __restrict buf) {
+  const int R = G * (h1 - h0), PS = (BS + 15) & ~15;
+  // acc, scaled q [R, D]; max m, sum l [R]; scores [NG, PS]
+  float *acc = buf, *qs = acc + R * D, *m = qs + R * D, *l = m + R, *p = l + R;
+  std::memset(acc, 0, sizeof(float) * R * D);
+  for (int r = 0; r < R; r++) {
+    m[r] = -INFINITY;
+    l[r] = 0.f;
+  }
+  for (int r = 0; r < R; r++)
+    for (int d = 0; d < D; d++) qs[r * D + d] = q[(int64_t)(h0 * G + r) * D + d] * scale;
+  const int64_t row = (int64_t)KVH * D, page = BS * row;
+  const int pages = (L + BS - 1) / BS;
+  // up to 4 heads a block at head_dim <= 64, 2 above
+  constexpr int NG = std::min(G, D <= 64 ? 4 : 2);
+  for (int b = 0; b < pages; b++) {
+    const int n = std::min(BS, L - b * BS);
+    for (int h = h0; h < h1; h++) {
+      const int64_t off = (int64_t)h * D;
+      const bool next = b + 1 < pages;
+      const int r0 = (h - h0) * G;
+      heads16<NG, D>(acc + r0 * D, m + r0, l + r0, p, PS, qs + r0 * D, kc + bt[b] * page + off,
+                     vc + bt[b] * page + off, row, n, BS, G, next ? kc + bt[b + 1] * page + off : nullptr,
+                     next ? vc + bt[b + 1] * page + off : nullptr);
+    }
+  }
+  for (int r = 0; r < R; r++) {
+    float* dst = out + (int64_t)(h0 * G + r) * D;
+    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+    for (int d = 0; d < D; d++) dst[d] = acc[r * D + d] * inv;
+  }
+}
+#define DECODE16(G, D) decode16<G, D>
+#else
+#define DECODE16(G, D) nullptr
+#endif
+
 typedef void (*attend_fn)(float*, const float*, const float*, const float*, const int32_t*, int, int, int,
                           int, int, int, int, float, float*);
+// The kernel for G query heads per kv head: attend, or with `decode` the 16-lane decode16 (none without AVX-512).
+template <int G, int D>
+static attend_fn kernel_for(bool decode) {
+  return decode ? DECODE16(G, D) : attend<G, D>;
+}
 template <int D>
-static attend_fn pick_g(int G) {
+static attend_fn pick_g(int G, bool decode) {
   switch (G) {
-    case 1: return attend<1, D>;
-    case 2: return attend<2, D>;
-    case 3: return attend<3, D>;
-    case 4: return attend<4, D>;
-    case 5: return attend<5, D>;
-    case 6: return attend<6, D>;
-    case 7: return attend<7, D>;
-    case 8: return attend<8, D>;
+    case 1: return kernel_for<1, D>(decode);
+    case 2: return kernel_for<2, D>(decode);
+    case 3: return kernel_for<3, D>(decode);
+    case 4: return kernel_for<4, D>(decode);
+    case 5: return kernel_for<5, D>(decode);
+    case 6: return kernel_for<6, D>(decode);
+    case 7: return kernel_for<7, D>(decode);
+    case 8: return kernel_for<8, D>(decode);
   }
   return nullptr;
 }
-static attend_fn pick(int G, int D) {
+static attend_fn pick(int G, int D, bool decode = false) {
   switch (D) {
-    case 16: return pick_g<16>(G);
-    case 32: return pick_g<32>(G);
-    case 64: return pick_g<64>(G);
-    case 128: return pick_g<128>(G);
+    case 16: return pick_g<16>(G, decode);
+    case 32: return pick_g<32>(G, decode);
+    case 64: return pick_g<64>(G, decode);
+    case 128: return pick_g<128>(G, decode);
   }
   return nullptr;
+}
+
+// Was the 16-lane decode kernel compiled for G = H / KVH and D? (only where the compiler targets AVX-512)
+extern "C" int pagednb_wide_decode(int H, int KVH, int D) {
+  return KVH > 0 && H % KVH == 0 && pick(H / KVH, D, true) != nullptr;
 }
 
 extern "C" int pagednb_supports(int H, int KVH, int D) {
@@ -248,9 +458,11 @@ extern "C" int pagednb_paged_attention_f32(float* out, const float* query, const
                                            const float* v_cache, const int32_t* block_tables,
                                            int64_t bt_stride, const int32_t* seq_lens, const int32_t* qsl,
                                            const int32_t* seqs, int64_t n_seqs, int H, int KVH, int D, int BS,
-                                           float scale, int num_threads) {
+                                           float scale, int num_threads, int wide) {
   attend_fn fn = pagednb_supports(H, KVH, D) ? pick(H / KVH, D) : nullptr;
   if (!fn) return 2;
+  // single query tokens (decodes) on the 16-lane kernel where it was compiled and `wide` asks for it
+  const attend_fn wide_fn = wide ? pick(H / KVH, D, true) : nullptr, one = wide_fn ? wide_fn : fn;
   // work items: tiles of up to QT query tokens of one sequence (each page is then read once per tile, not per
   // token), by whole sequences' kv heads when there are plenty of tiles, else one kv head each so that every
   // thread has work
@@ -282,8 +494,9 @@ extern "C" int pagednb_paged_attention_f32(float* out, const float* query, const
       const int nq = qsl[s + 1] - qsl[s], j1 = std::min(nq, j0 + QT);
       const int64_t off = ((int64_t)qsl[s] + j0) * H * D;
       // the tile's queries are the last j1 - j0 of a sequence cut after its (j1 - 1)-th query token
-      fn(out + off, query + off, k_cache, v_cache, block_tables + s * bt_stride, seq_lens[s] - (nq - j1),
-         j1 - j0, h0, h0 + per_item, H, KVH, BS, scale, buf);
+      const attend_fn f = j1 - j0 == 1 ? one : fn;
+      f(out + off, query + off, k_cache, v_cache, block_tables + s * bt_stride, seq_lens[s] - (nq - j1), j1 - j0,
+        h0, h0 + per_item, H, KVH, BS, scale, buf);
     }
     std::free(buf);
   }

@@ -18,18 +18,19 @@ static inline void st(float* p, v8 x) { *(v8u*)p = x; }
 static inline v8 splat(float x) { return (v8){x, x, x, x, x, x, x, x}; }
 static inline float hsum(v8 x) { return ((x[0] + x[4]) + (x[1] + x[5])) + ((x[2] + x[6]) + (x[3] + x[7])); }
 
-// The core both exps share: e^x = 2^n * e^r with n = round(x / ln 2) (returned in *n) and |r| <= ln 2 / 2;
-// e^r from a degree-6 Taylor polynomial. Each caller builds 2^n for the range of x it takes.
-static inline v8 exp_reduced(v8 x, v8* n) {
+// The core every exp shares: e^x = 2^n * e^r with n = round(x / ln 2) (returned in *n) and |r| <= ln 2 / 2;
+// e^r from a degree-6 Taylor polynomial. Each caller builds 2^n for the range of x it takes. V: 8 or 16 floats.
+template <class V>
+static inline V exp_reduced(V x, V* n) {
   // round to nearest (1.5 * 2^23 trick)
-  *n = (x * splat(1.44269504f) + splat(12582912.f)) - splat(12582912.f);
+  *n = (x * 1.44269504f + 12582912.f) - 12582912.f;
   // ln 2 in two parts, so r stays exact
-  const v8 r = x - *n * splat(0.693145752f) - *n * splat(1.42860677e-6f);
-  v8 p = splat(1.f / 720);
-  p = p * r + splat(1.f / 120);
-  p = p * r + splat(1.f / 24);
-  p = p * r + splat(1.f / 6);
-  p = p * r + splat(0.5f);
-  p = p * r + splat(1.f);
-  return p * r + splat(1.f);
+  const V r = x - *n * 0.693145752f - *n * 1.42860677e-6f;
+  V p = V{} + 1.f / 720;
+  p = p * r + 1.f / 120;
+  p = p * r + 1.f / 24;
+  p = p * r + 1.f / 6;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  return p * r + 1.f;
 }
