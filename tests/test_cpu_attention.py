@@ -29,10 +29,9 @@ def test_decodes_both_kernels_match_spec(G, D):
     lens = [1, 7, 16, 17, 40, 129][: 3 + G % 4]
     p = make_paged_problem(lens, num_heads=G * kvh, num_kv_heads=kvh, head_dim=D, block_size=bs, seed=G).fill()
     want = paged_attention_spec(*p.args)
-    wide = C.paged_attention_cpu(*p.args)
-    torch.testing.assert_close(wide, want, atol=2e-5, rtol=2e-5)
+    # the cache holds NaN in every slot no sequence owns: a kernel that read one would not be close
+    torch.testing.assert_close(C.paged_attention_cpu(*p.args), want, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(C.paged_attention_cpu(*p.args, wide=False), want, atol=2e-5, rtol=2e-5)
-    assert not wide.isnan().any()                                     # unowned slots hold NaN: never read
 
 def test_shared_prefix_and_no_nan():
     p = make_paged_problem([64, 80, 100], [1, 3, 16], num_heads=9, num_kv_heads=3, shared_prefix=48, seed=4).fill()

@@ -1,18 +1,19 @@
 // Paged attention on the CPU, reading each K/V page where it lies (notebook 04a_cpu_attention).
 #include "cpu_vector.h"
 
-// exp(x) for x <= 0, 8 at a time: 2^n * e^r with n = round(x / ln 2), |r| <= ln 2 / 2, and a degree-6 Taylor
-// polynomial for e^r
-static inline v8 exp8(v8 x) {
+// exp(x) for x <= 0, a vector V of floats at a time (I: ints of the same width): 2^n * e^r with
+// n = round(x / ln 2), |r| <= ln 2 / 2, and a degree-6 Taylor polynomial for e^r
+template <class V, class I>
+static inline V exp_neg(V x) {
   // e^x < 2^-125 there: returned as 0 (2^n would underflow)
-  const auto tiny = x < splat(-87.f);
-  x = tiny ? splat(-87.f) : x;
-  v8 nr;
-  const v8 p = exp_reduced(x, &nr);
-  const i8 bits = (__builtin_convertvector(nr, i8) + 127) << 23;  // 2^n as a float's exponent bits
-  v8 two_n;
+  const auto tiny = x < -87.f;
+  x = tiny ? V{} - 87.f : x;
+  V nr;
+  const V p = exp_reduced(x, &nr);
+  const I bits = (__builtin_convertvector(nr, I) + 127) << 23;  // 2^n as a float's exponent bits
+  V two_n;
   std::memcpy(&two_n, &bits, sizeof bits);
-  return tiny ? splat(0.f) : p * two_n;
+  return tiny ? V{} : p * two_n;
 }
 
 static inline float hmax(v8 x) {
@@ -36,25 +37,26 @@ static inline v8 fold(v8 lo, v8 hi) {
          __builtin_shufflevector(lo, hi, 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
-// A vector of V's width from any float address, and back
+// A vector of V's width from any float address, and back: ld and st, named by type for softmax_page
 template <class V>
-static inline V load(const float* p) {
-  V x;
-  std::memcpy(&x, p, sizeof x);
-  return x;
-}
-template <class V>
-static inline void store(float* p, V x) { std::memcpy(p, &x, sizeof x); }
-static inline v8 vexp(v8 x) { return exp8(x); }
+static inline V load(const float* p);
+template <>
+inline v8 load<v8>(const float* p) { return ld(p); }
+static inline void store(float* p, v8 x) { st(p, x); }
+static inline v8 vexp(v8 x) { return exp_neg<v8, i8>(x); }
 
 #if defined(__AVX512F__)
-// The same for 16 floats, one AVX-512 register (the 16-lane decode below)
+// 16 floats, one AVX-512 register (the 16-lane decode below): its reductions and exp
 typedef float v16 __attribute__((vector_size(64)));
 typedef float v16u __attribute__((vector_size(64), aligned(4)));  // the same, loaded from any float address
 typedef int32_t i16 __attribute__((vector_size(64)));
 
 static inline v16 ld16(const float* p) { return *(const v16u*)p; }
 static inline void st16(float* p, v16 x) { *(v16u*)p = x; }
+template <>
+inline v16 load<v16>(const float* p) { return ld16(p); }
+static inline void store(float* p, v16 x) { st16(p, x); }
+
 static inline v8 lo8(v16 x) { return __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7); }
 static inline v8 hi8(v16 x) { return __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15); }
 static inline float hsum(v16 x) { return hsum(lo8(x) + hi8(x)); }
@@ -63,17 +65,7 @@ static inline float hmax(v16 x) {
   return hmax(a > b ? a : b);
 }
 
-// exp8 on 16 floats
-static inline v16 vexp(v16 x) {
-  const auto tiny = x < -87.f;
-  x = tiny ? v16{} - 87.f : x;
-  v16 nr;
-  const v16 p = exp_reduced(x, &nr);
-  const i16 bits = (__builtin_convertvector(nr, i16) + 127) << 23;
-  v16 two_n;
-  std::memcpy(&two_n, &bits, sizeof bits);
-  return tiny ? v16{} : p * two_n;
-}
+static inline v16 vexp(v16 x) { return exp_neg<v16, i16>(x); }
 #endif
 
 // The online softmax of one head over one page's scores pg[0, n) (padded with -inf to whole vectors of V): pg
