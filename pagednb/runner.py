@@ -8,7 +8,7 @@ Docs: https://pagednb.github.io/pagednb/runner.html.md"""
 __all__ = ['GRAPH_BATCH_SIZES', 'GiB', 'StepInputs', 'attention_path', 'cpu_kernel_order', 'block_table_tensor', 'token_slots',
            'BlockTables', 'decode_inputs', 'PagedAttentionBackend', 'KVPrefetcher', 'ModelRunner', 'graph_bucket',
            'StaticDecodeInputs', 'DecodeGraphs', 'record_cuda_graph', 'model_bytes', 'GPUMemory', 'gpu_kv_budget',
-           'profile_gpu_memory', 'kv_budget', 'num_kv_blocks']
+           'profile_gpu_memory', 'kv_budget', 'num_kv_blocks', 'kv_line']
 
 # %% ../nbs/06_runner.ipynb #ed8c50dc
 import functools, itertools, math, os, threading, time, weakref
@@ -19,6 +19,7 @@ from .model import NoCacheAttention
 from .block_manager import kv_cache_shape, compute_slot_mapping
 from .attention import store_kv, paged_attention, default_backend, TorchAttentionPlan
 from .kv_cache import kv_bytes_per_token
+from .engine_args import check_knob
 from .cpu_ops import fuse_for_cpu, can_pack, pack_linears, hoist_attributes, PACK_MIN_NUMEL
 from .cpu_attention import zeros_huge_pages, populate, cpu_kernel_supports, KernelStep
 
@@ -476,17 +477,10 @@ def kv_budget(model, max_num_batched_tokens, gpu_memory_utilization, kv_cache_me
 
 # %% ../nbs/06_runner.ipynb #a5678b04
 def _check_sizing(gpu_memory_utilization, kv_cache_memory_bytes, num_gpu_blocks_override):
-    "Reject a sizing knob at a value that sizes nothing, naming the knob and what is valid."
-    if isinstance(gpu_memory_utilization, bool) or not 0 < gpu_memory_utilization <= 1:
-        raise ValueError(f"gpu_memory_utilization={gpu_memory_utilization!r} is invalid: "
-                         f"it must be in (0, 1]")
-    b = kv_cache_memory_bytes
-    if b is not None and (isinstance(b, bool) or b < 1):
-        raise ValueError(f"kv_cache_memory_bytes={kv_cache_memory_bytes!r} is invalid: "
-                         f"it must be a number of bytes >= 1")
-    n = num_gpu_blocks_override
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-        raise ValueError(f"num_gpu_blocks_override={n!r} is invalid: it must be an integer >= 1")
+    "Reject a sizing knob at a value that sizes nothing: `EngineArgs`' own checks (`05a_engine_args`)."
+    check_knob("gpu_memory_utilization", gpu_memory_utilization)
+    check_knob("kv_cache_memory_bytes", kv_cache_memory_bytes)
+    check_knob("num_gpu_blocks_override", num_gpu_blocks_override)
 
 # %% ../nbs/06_runner.ipynb #fc8ea9af
 def num_kv_blocks(model, block_size, max_model_len, max_num_batched_tokens, gpu_memory_utilization=0.9,
@@ -507,3 +501,11 @@ def num_kv_blocks(model, block_size, max_model_len, max_num_batched_tokens, gpu_
                          f"kv_cache_memory_bytes >= {need*block_bytes} (or raise gpu_memory_utilization / "
                          f"num_gpu_blocks_override), or lower max_model_len")
     return n, block_bytes
+
+# %% ../nbs/06_runner.ipynb #kv-line
+def kv_line(num_blocks, block_size, block_bytes, max_model_len) -> str:
+    "The engine's start-up line: the KV cache in blocks, tokens and GiB, and the concurrency it allows."
+    tokens = num_blocks*block_size
+    size = f"{num_blocks*block_bytes/GiB:.2f} GiB"
+    return (f"KV cache: {num_blocks} blocks × {block_size} tokens = {tokens} tokens ({size}); "
+            f"max concurrency at max_model_len: {tokens/max_model_len:.2f}")

@@ -70,7 +70,7 @@ def num_prompt_tokens(self: ScheduledSeq) -> int:
 # %% ../nbs/05_scheduler.ipynb #752bfe24
 @dataclass
 class StepPlan:
-    "What one engine step runs, and what the scheduler did to memory to run it."
+    "What one engine step runs, what the scheduler did to memory to run it, and what the step made final."
     scheduled: list = field(default_factory=list)       # ScheduledSeq, decodes first
     preempted: list = field(default_factory=list)       # seq ids sent back to waiting
     allocated: dict = field(default_factory=dict)       # seq id -> new block ids
@@ -78,6 +78,8 @@ class StepPlan:
     freed: dict = field(default_factory=dict)           # seq id -> block ids released by preemption
     copies: list = field(default_factory=list)          # (src, dst) copy-on-write block pairs
     token_budget: int = 0
+    new_tokens: dict = field(default_factory=dict)      # seq id -> tokens `commit` appended
+    finished: dict = field(default_factory=dict)        # seq id -> finish reason, set by `commit`
 
 # %% ../nbs/05_scheduler.ipynb #e211885e
 @patch(as_prop=True)
@@ -85,6 +87,20 @@ def num_batched_tokens(self: StepPlan): return sum(s.num_new_tokens for s in sel
 
 @patch(as_prop=True)
 def is_empty(self: StepPlan): return not self.scheduled
+
+@patch(as_prop=True)
+def ready(self: StepPlan) -> list:
+    "The entries whose sequence reaches its last token in this step: each gets a new token."
+    own_end = lambda sc: sc.start + sc.num_new_tokens - len(sc.draft_tokens)
+    return [sc for sc in self.scheduled if own_end(sc) == sc.seq.num_tokens]
+
+# %% ../nbs/05_scheduler.ipynb #plan-count
+@patch
+def count(self: StepPlan, stats: dict):
+    "Add this step to an engine's counters: its prompt tokens, the tokens it made final, one step."
+    stats["prompt_tokens"] += sum(sc.num_prompt_tokens for sc in self.scheduled)
+    stats["generation_tokens"] += sum(len(t) for t in self.new_tokens.values())
+    stats["steps"] += 1
 
 # %% ../nbs/05_scheduler.ipynb #82a7a1a8
 @patch
@@ -267,13 +283,45 @@ def fork(self: Scheduler, parent: Sequence, child: Sequence):
     child.status = SequenceStatus.RUNNING
     self.running.append(child)
 
+# %% ../nbs/05_scheduler.ipynb #sched-append
+@patch
+def _append(self: Scheduler, seq, tokens, check_stop) -> tuple:
+    "Append `tokens` to `seq` one at a time until `check_stop(seq, token)` names a reason: (appended, reason)."
+    for i, t in enumerate(tokens):
+        seq.token_ids.append(t)
+        reason = check_stop(seq, t)
+        if reason: return list(tokens[:i + 1]), reason
+    return list(tokens), None
+
+# %% ../nbs/05_scheduler.ipynb #sched-drafts
+@patch
+def _give_back_drafts(self: Scheduler, plan: StepPlan, computed: dict):
+    "Rejected drafts' slots go back: a verified sequence keeps pages up to its next token only."
+    for sc in plan.scheduled:
+        if sc.seq.seq_id in computed and sc.seq.status is SequenceStatus.RUNNING:
+            self.bm.trim(sc.seq, sc.seq.num_computed_tokens + 1)
+
+# %% ../nbs/05_scheduler.ipynb #sched-commit
+@patch
+def commit(self: Scheduler, plan: StepPlan, new_tokens: dict, computed: dict, check_stop) -> dict:
+    "Make a step final: append `new_tokens` (`{seq: tokens}`) up to a stop, record what is computed, free what finished."
+    reasons = {}
+    for seq, toks in new_tokens.items():
+        appended, reasons[seq] = self._append(seq, toks, check_stop)
+        plan.new_tokens[seq.seq_id] = appended
+    self.update(plan, computed)
+    self._give_back_drafts(plan, computed)
+    finished = {seq: r for seq, r in reasons.items() if r}
+    for seq, r in finished.items():
+        self.finish(seq)
+        plan.finished[seq.seq_id] = r
+    return finished
+
 # %% ../nbs/05_scheduler.ipynb #6069cf11
 def _stand_in_step(scheduler, plan, out_len):
-    "What a model would do with `plan`: append token 0 to each ready sequence; finish those at `out_len`."
-    for seq in scheduler.update(plan):
-        seq.token_ids.append(0)
-        if seq.num_output_tokens >= out_len[seq.seq_id]:
-            scheduler.finish(seq)
+    "What a model would do with `plan`: token 0 for each ready sequence, made final; `out_len[seq_id]` stops it."
+    stop = lambda seq, t: "length" if seq.num_output_tokens >= out_len[seq.seq_id] else None
+    scheduler.commit(plan, {sc.seq: [0] for sc in plan.ready}, {}, stop)
 
 # %% ../nbs/05_scheduler.ipynb #e503c1bd
 def simulate(scheduler: Scheduler, seqs, output_len, max_steps=10_000, on_step=None):

@@ -6,7 +6,7 @@ vLLM's names are pinned in `tests/vllm_names.json`, written by `tools/snapshot_v
 import dataclasses, inspect, json, os, subprocess, sys
 from pathlib import Path
 import pytest
-import pagednb.cli, pagednb.engine, pagednb.sampling, pagednb.serve
+import pagednb.cli, pagednb.engine, pagednb.engine_args, pagednb.sampling, pagednb.serve
 
 ROOT = Path(__file__).resolve().parent.parent
 SNAPSHOT = json.loads((Path(__file__).parent / "vllm_names.json").read_text())
@@ -42,8 +42,8 @@ def _params(fn):
             if p.name != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
 
 def engine_names():
-    "The keywords of `LLMEngine(...)` and `LLM(...)`."
-    return _params(pagednb.engine.LLMEngine.__init__) | _params(pagednb.engine.LLM.__init__)
+    "The engine's knobs (`EngineArgs`, which `LLMEngine(...)` and `Simulator(...)` take) and `LLM(...)`'s own keywords."
+    return set(pagednb.engine_args.knob_names()) | _params(pagednb.engine.LLM.__init__)
 
 def sampling_names():
     return {f.name for f in dataclasses.fields(pagednb.sampling.SamplingParams)}

@@ -29,6 +29,8 @@ OPENINGS = {
     "04b_cpu_ops": ("fused layer operations and packed weights for the CPU", "`04a_cpu_attention`; a C++ compiler"),
     "05_scheduler": ("continuous batching under a token budget, chunked prefill and preemption by recompute",
                      "`02_block_manager`, `03_prefix_cache`; no model, no GPU"),
+    "05a_engine_args": ("vLLM's `EngineArgs`: every knob of the engine in one place, with its default, its check and its "
+                        "help, and the flags, configs and simulator knobs made from it", "`05_scheduler`; no model, no GPU"),
     "06_runner": ("how a step plan becomes flat tensors (positions, slot mapping, block tables) and how many KV pages fit",
                   "`04_paged_attention`, `05_scheduler`"),
     "06a_sampling": ("`SamplingParams` and the batched sampler: temperature, top-p, top-k, min-p, seeds",
