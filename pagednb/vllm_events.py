@@ -66,10 +66,21 @@ def to_event_hash(digest: bytes) -> int:
     return int.from_bytes(digest[-8:], "big")
 
 # %% ../nbs/09c_vllm_events.ipynb #ve-012
+def _check_blocks(token_ids, block_size, extra_keys):
+    "Clear errors for a block size that is not a positive int, or a per-block `extra_keys` of the wrong length."
+    if not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size must be a positive number of tokens (vLLM uses 16 on GPUs, 128 on CPUs), "
+                         f"got {block_size!r}")
+    n = len(token_ids) // block_size
+    if isinstance(extra_keys, list) and len(extra_keys) < n:
+        raise ValueError(f"extra_keys is a list of {len(extra_keys)} entries for {n} full blocks: give one per block, "
+                         "or one tuple for all")
+    return n
+
 def block_hash_chain(token_ids, block_size=16, hash_algo="sha256", extra_keys=None, seed=DEFAULT_SEED) -> list:
     "The 32-byte digest of each full block of `token_ids`, each one chained on its parent's."
     fn, parent, out = _hash_fn(hash_algo), none_hash(hash_algo, seed), []
-    for i in range(len(token_ids) // block_size):
+    for i in range(_check_blocks(token_ids, block_size, extra_keys)):
         keys = extra_keys[i] if isinstance(extra_keys, list) else extra_keys
         parent = fn((parent, tuple(token_ids[i * block_size:(i + 1) * block_size]), keys))
         out.append(parent)

@@ -184,6 +184,7 @@ def _extras(out, kinds, errors, by_source):
 # %% ../nbs/09b_reading_vllm.ipynb #vr-024
 def explain_vllm_log(text) -> dict:
     "vLLM's start-up sizing read from its log: the `KEYS` (None when unstated; vLLM's units) and what else it states."
+    if not isinstance(text, str): raise TypeError(f"give the log's text (a str), not {type(text).__name__}")
     by_source, facts, config, kinds, errors = _collect(text)
     if not SIZING & set(kinds):
         raise ValueError("no sizing lines found in this log; looked for lines like: " + "; ".join(looked_for()))
