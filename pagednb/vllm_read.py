@@ -39,6 +39,9 @@ LINES = [
     _line("profile", r"gpu_memory_utilization={N}", "gpu_memory_utilization"),
     _line("profile", r"the current vLLM instance can use\s+{N}GiB", "usable_gib"),
     _line("profile", r"peak_torch_memory={N}GiB", "peak_torch_gib"),
+    _line("profile", r"initial_memory_usage={N}GiB", "initial_memory_gib"),
+    _line("profile", r"memory_usage_post_profile={N}GiB", "post_profile_memory_gib"),
+    _line("profile", r"(?:Memory profiling takes|duration)\s+{N} seconds", "profiling_seconds"),
     _line("non_torch", r"non_torch_memory(?: takes\s+|=|\s+){N}\s*GiB", "non_torch_gib",
           said="non_torch_memory takes X GiB"),
     _line("activation", r"PyTorch activation peak memory(?: takes)?\s+{N}\s*GiB", "activation_peak_gib",
@@ -54,6 +57,9 @@ LINES = [
     _line("cuda_graph", r"CUDA graph pool memory: {N} GiB \(actual\), {N} GiB \(estimated\)",
           "cuda_graph_actual_gib", "cuda_graph_estimate_gib"),
     _line("cuda_graph", r"Graph capturing finished in \d+ secs?, took {N} GiB", "cuda_graph_actual_gib"),
+    _line("cuda_graph", r"Profiling CUDA graph memory:.*?PIECEWISE={N} \(largest={N}\)", "piecewise_graphs",
+          "piecewise_largest"),
+    _line("cuda_graph", r"Profiling CUDA graph memory:.*?FULL={N} \(largest={N}\)", "full_graphs", "full_largest"),
     _line("cuda_graph_on", r"CUDA graph memory profiling is enabled.*?--gpu-memory-utilization={N} is equivalent to "
           r"--gpu-memory-utilization={N}", "gpu_memory_utilization", "utilization_without_cuda_graphs"),
     _line("cuda_graph_off", r"increase --gpu-memory-utilization from {N} to {N}", "gpu_memory_utilization",
@@ -141,7 +147,8 @@ def read_lines(text):
 # %% ../nbs/09b_reading_vllm.ipynb #vr-019
 PER_WORKER = {"total_gpu_memory_gib", "gpu_memory_utilization", "usable_gib", "model_weights_gib", "peak_torch_gib",
               "non_torch_gib", "activation_peak_gib", "available_kv_cache_gib", "cuda_graph_estimate_gib",
-              "cuda_graph_actual_gib", "total_cpu_memory_gib", "non_kv_gib"}   # what each worker measures on its own
+              "cuda_graph_actual_gib", "total_cpu_memory_gib", "non_kv_gib", "initial_memory_gib",
+              "post_profile_memory_gib", "profiling_seconds"}                 # what each worker measures on its own
 
 def _first(d, facts):
     "Add `facts` to `d`, keeping what `d` already has: the first value a log states wins."
