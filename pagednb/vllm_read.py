@@ -379,7 +379,7 @@ def paste_log_widget(text=""):
     show()
     return W.VBox([box, out])
 
-# %% ../nbs/09b_reading_vllm.ipynb #vr-057
+# %% ../nbs/09b_reading_vllm.ipynb #vr-058
 _SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+-?\d+)?$")
 _LABEL = re.compile(r'([a-zA-Z_]\w*)\s*=\s*"((?:[^"\\]|\\.)*)"')
 
@@ -387,7 +387,7 @@ def _sample_value(s):
     "A sample value as Prometheus writes it: a float, `+Inf`, `-Inf` or `NaN`."
     return float({"+Inf": "inf", "-Inf": "-inf"}.get(s, s))
 
-# %% ../nbs/09b_reading_vllm.ipynb #vr-058
+# %% ../nbs/09b_reading_vllm.ipynb #vr-059
 def parse_prometheus(text) -> dict:
     "A Prometheus text scrape as {name: {labels (sorted (key, value) pairs): value}}; comments and bad lines skipped."
     out = {}
@@ -401,7 +401,7 @@ def parse_prometheus(text) -> dict:
         out.setdefault(name, {})[key] = v
     return out
 
-# %% ../nbs/09b_reading_vllm.ipynb #vr-061
+# %% ../nbs/09b_reading_vllm.ipynb #vr-062
 NAMES = {"kv_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
          "queries": ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"),
          "hits": ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
@@ -418,7 +418,7 @@ def metric(scrape, what):
             return sum(vals) / len(vals) if what in GAUGES else sum(vals)
     return None
 
-# %% ../nbs/09b_reading_vllm.ipynb #vr-063
+# %% ../nbs/09b_reading_vllm.ipynb #vr-064
 def scrape_metrics(url, every=1.0, times=10, timeout=5.0):
     "Poll a `/metrics` URL `times` times, `every` seconds apart: [{'t': seconds since the first, 'text': the scrape}]."
     import urllib.request
@@ -429,7 +429,7 @@ def scrape_metrics(url, every=1.0, times=10, timeout=5.0):
         out.append(dict(t=round(time.time() - t0, 3), text=text))
     return out
 
-# %% ../nbs/09b_reading_vllm.ipynb #vr-064
+# %% ../nbs/09b_reading_vllm.ipynb #vr-065
 def metrics_series(scrapes) -> dict:
     "Figures over time: KV usage, requests, preemptions; between scrapes the prefix hit rate and tokens per second."
     parsed = [(s["t"], parse_prometheus(s["text"])) for s in scrapes]
@@ -443,7 +443,7 @@ def metrics_series(scrapes) -> dict:
         out.setdefault("generation_tps", []).append(d["generation_tokens"] / (t1 - t0))
     return out
 
-# %% ../nbs/09b_reading_vllm.ipynb #vr-066
+# %% ../nbs/09b_reading_vllm.ipynb #vr-067
 def plot_metrics(series, title="vLLM over time"):
     "KV usage, prefix hit rate, preemptions and throughput over time, one panel each."
     import plotly.graph_objects as go
@@ -458,7 +458,7 @@ def plot_metrics(series, title="vLLM over time"):
     fig.update_layout(height=520, title=title)
     return fig.update_xaxes(title_text="seconds")
 
-# %% ../nbs/09b_reading_vllm.ipynb #vr-068
+# %% ../nbs/09b_reading_vllm.ipynb #vr-069
 def fixture_bytes(name, folder="../tests/fixtures"):
     "A file of the repository's tests/fixtures: from this checkout, or (on Colab) from the repository itself."
     p = Path(folder)/name
