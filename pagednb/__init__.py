@@ -2,7 +2,8 @@ __version__ = "0.0.1"
 
 # The names users reach for, loaded on first use (importing torch and transformers takes seconds).
 _LAZY = {"LLM": "engine", "LLMEngine": "engine", "SamplingParams": "sampling", "RequestOutput": "sampling",
-         "CompletionOutput": "sampling", "load_model": "model"}
+         "CompletionOutput": "sampling", "load_model": "model",
+         "explain_vllm_log": "vllm_read", "vllm_block_hashes": "vllm_events"}
 
 def __getattr__(name):
     if name in _LAZY:

@@ -96,6 +96,13 @@ def test_engine_imports_no_view_or_server():
 def test_trace_is_data():
     check(importers_of(["trace"], ["widgets"]), "the trace is data, drawn by others: it imports no widgets")
 
+def test_vllm_readers_are_data_code():
+    readers = [m for m in ("vllm_read", "vllm_events") if m in ALL]
+    check(importers_of(readers, [m for m in MODULES if m not in readers]),
+          "the vLLM readers (vllm_read, vllm_events) are data code on the lowest floor: they import no engine, "
+          "runner, model, simulator, widgets or server")
+    check([v for m in readers for v in torch_importers(m)], "the vLLM readers import no torch")
+
 def test_no_pagednb_import_inside_a_function():
     found = [(m, line, text) for m in MODULES for line, t, text, inside in ALL[m]
              if inside and t.startswith("pagednb.")]

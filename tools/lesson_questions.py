@@ -47,6 +47,11 @@ OPENINGS = {
     "09a_capacity": ("what vLLM's knobs do to a workload on a GPU you do not have: the real scheduler and block manager "
                      "stepped with a roofline cost model, calibrated and checked against this CPU",
                      "`05_scheduler`, `06_runner`, `08a_widgets`; a CPU is enough"),
+    "09b_reading_vllm": ("reading your own vLLM: its start-up log explained number by number (what "
+                         "`gpu_memory_utilization` and `Maximum concurrency` really mean), checked on 23 published logs, "
+                         "and its `/metrics` drawn over time", "`00_kv_cache`, `06_runner`; no GPU, no vLLM"),
+    "09c_vllm_events": ("vLLM's block hashes computed exactly, its KV-cache events read live or recorded, and a mirror of "
+                        "its prefix cache that says which blocks of a prompt it holds", "`03_prefix_cache`, `09b_reading_vllm`"),
     "10_serve": ("an OpenAI-compatible server (`vllm serve`) over the engine", "`06b_engine`"),
     "11_cli": ("the command line", "`10_serve`"),
 }
@@ -67,6 +72,8 @@ TIMES = {   # `python3 bootstrap.py test`: each lesson under nbdev-test, two at 
     '08a_widgets': 'runs in 21 s (peak 1.4 GiB) on a 2-core CPU',
     '09_benchmarks': 'runs in 30 s (peak 1.9 GiB) on a 2-core CPU',
     '09a_capacity': 'runs in 76 s (peak 1.9 GiB) on a 2-core CPU',
+    '09b_reading_vllm': 'runs in 11 s (peak 0.1 GiB) on a 2-core CPU',
+    '09c_vllm_events': 'runs in 2 s (peak 0.1 GiB) on a 2-core CPU',
     '10_serve': 'runs in 14 s (peak 1.6 GiB) on a 2-core CPU',
     '11_cli': 'runs in 10 s (peak 1.5 GiB) on a 2-core CPU',
 }
