@@ -2,7 +2,7 @@ __version__ = "0.0.1"
 
 # The names users reach for, loaded on first use (importing torch and transformers takes seconds).
 _LAZY = {"LLM": "engine", "LLMEngine": "engine", "SamplingParams": "sampling", "RequestOutput": "sampling",
-         "CompletionOutput": "sampling", "load_model": "model",
+         "CompletionOutput": "sampling", "load_model": "model", "EngineArgs": "engine_args",
          "explain_vllm_log": "vllm_read", "vllm_block_hashes": "vllm_events"}
 
 def __getattr__(name):

@@ -165,8 +165,8 @@ def _check_tensor(name, t, ndim=None, dtypes=None, device=None, contiguous=True)
         raise ValueError(f"{name} is on {t.device} but query is on {device}: "
                          f"put every argument on one device")
     if contiguous and not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous (got strides {t.stride()} for shape {tuple(t.shape)}); "
-                         f"call .contiguous()")
+        raise ValueError(f"{name} must be contiguous (got strides {t.stride()} "
+                         f"for shape {tuple(t.shape)}); call .contiguous()")
 
 # %% ../nbs/04_paged_attention.ipynb #687b47c0
 def _check_attention_shapes(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc):
@@ -174,8 +174,8 @@ def _check_attention_shapes(query, k_cache, v_cache, block_tables, seq_lens, que
     T, H, D = query.shape
     nb, bs, kvh, kd = k_cache.shape
     if v_cache.shape != k_cache.shape:
-        raise ValueError(f"v_cache has shape {tuple(v_cache.shape)} but k_cache has {tuple(k_cache.shape)}; "
-                         f"they must match")
+        raise ValueError(f"v_cache has shape {tuple(v_cache.shape)} but "
+                         f"k_cache has {tuple(k_cache.shape)}; they must match")
     if kd != D: raise ValueError(f"k_cache head_dim is {kd} but query head_dim is {D}")
     if kvh == 0 or H % kvh:
         raise ValueError(f"query has {H} heads, not a multiple of the {kvh} KV heads of k_cache "
@@ -207,13 +207,11 @@ def check_seq_metadata(lens, qsl, num_tokens, max_blocks, block_size):
     "Check the host lists `lens` (seq_lens) and `qsl` (query_start_loc) against the query and block tables."
     if qsl[0] != 0: raise ValueError(f"query_start_loc[0] must be 0, got {qsl[0]}")
     if qsl[-1] != num_tokens:
-        raise ValueError(f"query_start_loc[-1] = {qsl[-1]} but query has {num_tokens} tokens; they must be "
-                         f"equal")
+        raise ValueError(f"query_start_loc[-1] = {qsl[-1]} but query has {num_tokens} tokens; they must be equal")
     for s, L in enumerate(lens):
         n = qsl[s + 1] - qsl[s]
         if n < 0:
-            raise ValueError(f"query_start_loc must not decrease (entries {s} and {s + 1}: {qsl[s]}, "
-                             f"{qsl[s + 1]})")
+            raise ValueError(f"query_start_loc must not decrease (entries {s} and {s + 1}: {qsl[s]}, {qsl[s + 1]})")
         if n > L:
             raise ValueError(f"sequence {s} has {n} query tokens but seq_lens[{s}] = {L}; the query tokens "
                              f"are the last tokens of the sequence, so seq_lens must be at least that")
@@ -231,8 +229,7 @@ def check_block_tables(block_tables, seq_lens, num_blocks, block_size):
     if bad.any():
         s, j = (int(i) for i in bad.nonzero()[0])
         raise IndexError(f"block_tables[{s}, {j}] = {int(block_tables[s, j])} is out of range for a cache of "
-                         f"{num_blocks} blocks "
-                         f"(sequence {s} has {int(lens[s])} tokens, so it reads block_tables[{s}, "
+                         f"{num_blocks} blocks (sequence {s} has {int(lens[s])} tokens, so it reads block_tables[{s}, "
                          f":{-(-int(lens[s]) // block_size)}])")
 
 # %% ../nbs/04_paged_attention.ipynb #89462d9f
@@ -356,8 +353,8 @@ class TorchAttentionPlan:
 @patch
 def __repr__(self: TorchAttentionPlan):
     shapes = [(g.n, g.P) for g in self.groups]
-    return (f"TorchAttentionPlan({self.num_tokens} tokens: {len(self.groups)} padded groups {shapes}, "
-            f"{len(self.long)} long)")
+    return (f"TorchAttentionPlan({self.num_tokens} tokens: {len(self.groups)} "
+            f"padded groups {shapes}, {len(self.long)} long)")
 
 # %% ../nbs/04_paged_attention.ipynb #630b0ed9
 def paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
@@ -382,11 +379,10 @@ def paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, query
 def _check_store_shapes(key, value, k_cache, v_cache, slot_mapping):
     "Shapes that must agree: key and value, the two caches, a key row and a cache row, a slot per token."
     if value.shape != key.shape:
-        raise ValueError(f"value has shape {tuple(value.shape)} but key has {tuple(key.shape)}; they must "
-                         f"match")
+        raise ValueError(f"value has shape {tuple(value.shape)} but key has {tuple(key.shape)}; they must match")
     if v_cache.shape != k_cache.shape:
-        raise ValueError(f"v_cache has shape {tuple(v_cache.shape)} but k_cache has {tuple(k_cache.shape)}; "
-                         f"they must match")
+        raise ValueError(f"v_cache has shape {tuple(v_cache.shape)} but "
+                         f"k_cache has {tuple(k_cache.shape)}; they must match")
     if key.shape[1:] != k_cache.shape[2:]:
         raise ValueError(f"key rows are [num_kv_heads, head_dim] = {list(key.shape[1:])} but k_cache holds "
                          f"{list(k_cache.shape[2:])}")
@@ -531,13 +527,13 @@ def paged_decode_naive(query, k_cache, v_cache, block_tables, seq_lens, query_st
     _, bs, kvh, _ = k_cache.shape
     S = seq_lens.shape[0]
     if T != S:
-        raise ValueError(f"the naive kernel is decode-only: it needs one query token per sequence ({S} "
-                         f"sequences, {T} tokens)")
+        raise ValueError(f"the naive kernel is decode-only: it needs one "
+                         f"query token per sequence ({S} sequences, {T} tokens)")
     max_seq_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
     ctx = _next_pow2(max(max_seq_len, 16))
     if ctx > 4096:
-        raise ValueError(f"the naive kernel holds the whole context in one tile; {max_seq_len} tokens is too "
-                         f"long (max 4096)")
+        raise ValueError(f"the naive kernel holds the whole context in one "
+                         f"tile; {max_seq_len} tokens is too long (max 4096)")
     out = torch.empty_like(query)
     if T == 0: return out
     _decode_naive_kernel[(S, H)](query, k_cache, v_cache, out, block_tables, seq_lens, query_start_loc,
@@ -797,8 +793,8 @@ def _resolve(query, k_cache, seq_lens, max_query_len, max_seq_len, variant, num_
     if variant not in ('naive', 'decode', 'multi'):
         raise ValueError(f"variant must be 'naive', 'decode' or 'multi', got {variant!r}")
     if variant in ('naive', 'decode') and max_query_len > 1:
-        raise ValueError(f"variant {variant!r} is decode-only (one query token per sequence); this batch has "
-                         f"up to {max_query_len}")
+        raise ValueError(f"variant {variant!r} is decode-only (one query token per sequence); "
+                         f"this batch has up to {max_query_len}")
     plan.num_splits = num_splits or plan.num_splits
     plan.block_n = block_n or plan.block_n
     plan.variant = variant + ('-split' if plan.num_splits > 1 else '')
@@ -891,9 +887,8 @@ def check_triton_device(device, dtype):
         raise RuntimeError(f"backend='triton' runs on CUDA or (interpreted) CPU tensors, not {device.type}")
     if device.type == 'cuda' and dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] < 8:
         name, (ma, mi) = torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)
-        raise TypeError(f"{name} (compute capability {ma}.{mi}) has no bfloat16 support; bfloat16 needs "
-                        f"compute "
-                        f"capability 8.0 (Ampere) or newer. Use torch.float16 on this GPU.")
+        raise TypeError(f"{name} (compute capability {ma}.{mi}) has no bfloat16 support; "
+                        f"bfloat16 needs compute capability 8.0 (Ampere) or newer. Use torch.float16 on this GPU.")
 
 # %% ../nbs/04_paged_attention.ipynb #1166bbf9
 def store_kv(key, value, k_cache, v_cache, slot_mapping, backend=None, *, debug=None):

@@ -14,7 +14,7 @@ from .sampling import SamplingParams
 from .engine import LLM, EngineDeadError
 from .engine_args import parse_size, positive_int, add_cli_args, from_cli_args
 from .serve import serve
-from . import bench
+from . import bench, vllm_read
 
 # %% ../nbs/11_cli.ipynb #2908cc62
 DEMO_PROMPTS = [
@@ -102,8 +102,7 @@ _MODEL_HELP = "a local Hugging Face folder or hub id (default: the embedded Smol
 
 def _demo_parser(sub):
     d = sub.add_parser("demo", help="answer a few chat prompts with the embedded SmolLM2-135M-Instruct",
-                       description="Load the embedded model (converted once and cached) and answer a few "
-                                   "chat prompts.")
+                       description="Load the embedded model (converted once and cached) and answer a few chat prompts.")
     d.add_argument("--model", default=None, help=_MODEL_HELP)
     d.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per answer (default 64)")
     d.add_argument("prompts", nargs="*", help="your own prompts (default: a few built-in ones)")
@@ -111,8 +110,11 @@ def _demo_parser(sub):
 # %% ../nbs/11_cli.ipynb #a81b58eb
 _SERVE_HELP = "serve the OpenAI API (completions, chat, models, metrics) over the paged engine"
 _SERVE_DESCRIPTION = ("Serve an OpenAI-compatible API over the paged engine: /v1/completions, /v1/chat/completions, "
-                      "/v1/models (streaming with server-sent events), /health, and Prometheus /metrics. "
-                      "Flags follow vllm serve.")
+                      "/v1/models (streaming with server-sent events), /health, "
+                      "and Prometheus /metrics. Flags follow vllm serve.")
+_KEY_HELP = "require 'Authorization: Bearer KEY' on /v1/*, for any of these keys (default: $VLLM_API_KEY, else no key)"
+_NAME_HELP = ("the model name(s) clients use; the first is the one /v1/models lists first "
+              "(default: MODEL, or SmolLM2-135M-Instruct)")
 _NO_CORE = ("run the engine in a thread of the API server's process instead of an engine core process of its own "
             "(default: its own process, as vLLM V1 does; VLLM_ENABLE_V1_MULTIPROCESSING=0 also disables it)")
 
@@ -122,10 +124,8 @@ def _serve_parser(sub):
     s.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
     s.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
-    s.add_argument("--api-key", nargs="+", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/*, for any of these keys (default: $VLLM_API_KEY, else no key)")
-    s.add_argument("--served-model-name", nargs="+", default=None,
-                   help="the model name(s) clients use; the first is the one /v1/models lists first (default: MODEL, or SmolLM2-135M-Instruct)")
+    s.add_argument("--api-key", nargs="+", default=None, help=_KEY_HELP)
+    s.add_argument("--served-model-name", nargs="+", default=None, help=_NAME_HELP)
     s.add_argument("--disable-frontend-multiprocessing", action="store_true", default=None, help=_NO_CORE)
     _serve_limits(s)
     add_cli_args(s)
@@ -138,7 +138,8 @@ _LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]
 
 def _serve_limits(s):
     "The server's own flags: limits on requests, the Host check, the docs pages, uvicorn's settings."
-    s.add_argument("--max-n", type=positive_int, default=16, help="most choices (n) one request may ask for (default 16)")
+    s.add_argument("--max-n", type=positive_int, default=16,
+                   help="most choices (n) one request may ask for (default 16)")
     s.add_argument("--max-request-body-bytes", type=parse_size, default="1MiB",
                    help="larger request bodies get 413 (default 1MiB)")
     s.add_argument("--allowed-hosts", nargs="+", default=None, help=_HOSTS_HELP)
@@ -150,8 +151,8 @@ def _serve_limits(s):
 # %% ../nbs/11_cli.ipynb #a81b58ed
 def _generate_parser(sub):
     g = sub.add_parser("generate", help="generate for one prompt and stream the answer to the terminal",
-                       description="Run one prompt through the paged engine and stream the text to stdout "
-                                   "(timing on stderr).")
+                       description="Run one prompt through the paged engine and "
+                                   "stream the text to stdout (timing on stderr).")
     g.add_argument("prompt", help="the prompt text")
     g.add_argument("--model", default=None, help=_MODEL_HELP)
     g.add_argument("--chat", action="store_true",
@@ -181,6 +182,9 @@ def make_parser():
                        description="Run pagednb's benchmarks; every argument is passed to pagednb.bench.")
     b.add_argument("args", nargs=argparse.REMAINDER,
                    help="arguments of pagednb.bench (try: pagednb bench --help)")
+    x = sub.add_parser("explain", add_help=False, help="read a vLLM start-up log and explain its memory numbers",
+                       description="Explain a vLLM start-up log; every argument is passed to pagednb.vllm_read.")
+    x.add_argument("args", nargs=argparse.REMAINDER, help="a log file, or - for standard input; --json")
     return p
 
 # %% ../nbs/11_cli.ipynb #8c5c9559
@@ -210,6 +214,7 @@ def main(argv=None):
     "Entry point of the `pagednb` console script."
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]: return _run_bench(argv[1:])
+    if argv[:1] == ["explain"]: sys.exit(vllm_read.main(argv[1:]))
     p = make_parser()
     a = p.parse_args(argv)
     if a.cmd == "demo" and a.max_tokens < 1: p.error(f"--max-tokens must be at least 1, got {a.max_tokens}")

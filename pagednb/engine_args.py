@@ -148,8 +148,8 @@ _HELP = dict(
     max_model_len="longest prompt + output in tokens, e.g. 4096, 32k or 32K; auto or -1 for the model's own",
     kv_cache_memory_bytes="KV cache size in bytes, e.g. 4G or 4GiB (binary), 4g (decimal) (default: from "
                           "--gpu-memory-utilization on a GPU; min(4GiB, half the free RAM) on a CPU)",
-    max_num_batched_tokens="token budget of one step, e.g. 2048 or 2K (default 2048, or max_model_len "
-                           "without chunked prefill)",
+    max_num_batched_tokens="token budget of one step, e.g. 2048 or 2K (default 2048, "
+                           "or max_model_len without chunked prefill)",
     generation_config="sampling defaults: auto (the model's generation_config.json), vllm (none) or a folder",
     speculative_config=f"speculative decoding as JSON, e.g. '{_SPEC_EXAMPLE}'")
 KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -172,8 +172,8 @@ class EngineArgs:
     max_model_len: int | None = knob(None, _HELP["max_model_len"], at_least(2, none="the model's own"),
                                      type=model_len)
     block_size: int = knob(16, "tokens per KV cache block", _block_size, type=positive_int)
-    gpu_memory_utilization: float = knob(0.9, "share of the GPU's memory for weights, activations and the KV "
-                                              "cache (GPU only)", _fraction, type=float)
+    gpu_memory_utilization: float = knob(0.9, "share of the GPU's memory for weights, "
+                                              "activations and the KV cache (GPU only)", _fraction, type=float)
     kv_cache_memory_bytes: int | None = knob(None, _HELP["kv_cache_memory_bytes"], _bytes, type=parse_size)
     kv_cache_dtype: str = knob("auto", "the KV cache's storage dtype (auto: the model's)", one_of(KV_CACHE_DTYPES),
                                choices=KV_CACHE_DTYPES)

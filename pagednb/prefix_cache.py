@@ -32,8 +32,7 @@ def hash_block(parent_hash: bytes | None, token_ids, extra_keys=None) -> bytes:
     if extra_keys:
         keys = tuple(extra_keys)
         if not all(isinstance(k, _KEY_TYPES) for k in keys):
-            raise TypeError(f"extra_keys must be str, int, float, bytes or tuples of them (stable reprs), "
-                            f"got {keys!r}")
+            raise TypeError(f"extra_keys must be str, int, float, bytes or tuples of them (stable reprs), got {keys!r}")
         h.update(repr(keys).encode())
     return h.digest()
 
@@ -131,9 +130,8 @@ def _check_hits(self: PrefixCachingBlockManager, seq, computed_blocks):
     hs = seq.block_hashes
     for i, b in enumerate(computed_blocks):
         if i >= len(hs) or self.hash_to_block.get(hs[i]) != b:
-            raise InvalidBlockError(f"computed_blocks[{i}] = {b} is not the cached block {i} of sequence "
-                                    f"{seq.seq_id} (evicted since the lookup?): call get_computed_blocks "
-                                    f"again")
+            raise InvalidBlockError(f"computed_blocks[{i}] = {b} is not the cached block {i} of sequence {seq.seq_id} "
+                                    f"(evicted since the lookup?): call get_computed_blocks again")
 
 # %% ../nbs/03_prefix_cache.ipynb #6e1f8cc8
 @patch

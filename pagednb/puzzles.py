@@ -211,10 +211,10 @@ def _same_float(exp, got):
 
 # %% ../nbs/12_puzzles.ipynb #15434eed
 register(Puzzle("contiguous_waste", "The waste of contiguous reservation", "00_kv_cache",
-    "A server without paging reserves `max_model_len` KV slots for every request, up front. Each request of "
-    "the workload is `(prompt_len, output_len)` and uses `prompt_len + output_len` slots. Return the "
-    "fraction of reserved slots that are never used. A request longer than `max_model_len` cannot be served: "
-    "raise `ValueError`.",
+    "A server without paging reserves `max_model_len` KV slots for every request, up front. "
+    "Each request of the workload is `(prompt_len, output_len)` and uses `prompt_len + output_len` slots. "
+    "Return the fraction of reserved slots that are never used. A request "
+    "longer than `max_model_len` cannot be served: raise `ValueError`.",
     'def contiguous_waste(workload: list[tuple[int, int]], max_model_len: int) -> float:\n'
     '    "Fraction of reserved KV slots never used, when each request reserves max_model_len."\n'
     '    raise NotImplementedError',
@@ -303,9 +303,9 @@ def _slots_engine(fn):
 
 # %% ../nbs/12_puzzles.ipynb #3ef6879f
 register(Puzzle("slot_mapping", "Slot mapping", "02_block_manager",
-    "The paged cache is one flat array of `num_blocks * block_size` slots. A sequence's block table maps its "
-    "logical block `i` (positions `i*block_size` to `(i+1)*block_size - 1`) to a physical block. Return the "
-    "slot of each position.",
+    "The paged cache is one flat array of `num_blocks * block_size` slots. "
+    "A sequence's block table maps its logical block `i` (positions `i*block_size` to `(i+1)*block_size - 1`) to a "
+    "physical block. Return the slot of each position.",
     SLOT_STUB, spec=_slots_spec, cases=_slots_case, engine=_slots_engine,
     edge_cases=[dict(block_table=[7, 3], positions=[3, 4], block_size=4),
                 dict(block_table=[5], positions=[], block_size=4),
@@ -561,10 +561,10 @@ def _step_case(rng):
 # %% ../nbs/12_puzzles.ipynb #7a364338
 register(Puzzle("schedule_step", "One scheduler step under a token budget", "05_scheduler",
     "Plan one step. Running sequences go first, decodes (exactly one uncomputed token) before prompt chunks, "
-    "otherwise in arrival order; each gets `min(its uncomputed tokens, budget left)`. Then waiting sequences "
-    "are admitted in order while budget is left and fewer than `max_num_seqs` sequences run, each with a "
-    "chunk of its prompt of at most the budget left (chunked prefill). Return `[(seq_id, num_new_tokens)]` "
-    "in scheduling order.",
+    "otherwise in arrival order; each gets `min(its uncomputed tokens, budget left)`. "
+    "Then waiting sequences are admitted in order while budget is left and fewer than `max_num_seqs` sequences run, "
+    "each with a chunk of its prompt of at most the budget left (chunked prefill). Return `[(seq_id, "
+    "num_new_tokens)]` in scheduling order.",
     'def schedule_step(running: list[tuple[int, int, int]], waiting: list[tuple[int, int]], '
     'max_num_batched_tokens: int,\n'
     '                  max_num_seqs: int) -> list[tuple[int, int]]:\n'
@@ -601,13 +601,12 @@ def _preempt_case(rng):
 
 # %% ../nbs/12_puzzles.ipynb #f62ca3f3
 register(Puzzle("preempt", "The preemption victim, and what recompute costs", "05_scheduler",
-    "The same step as `schedule_step`, with no waiting sequences, but now the pool is tight: each running "
-    "sequence `(seq_id, num_tokens, num_computed_tokens)` holds the blocks of its computed tokens and only "
-    "`num_free_blocks` are free. When a sequence's new tokens need more blocks than are free, preempt the "
-    "newest-arriving running sequence not yet scheduled this step (itself, if there is no other): all its "
-    "blocks are freed and it goes back to waiting; repeat until it fits. Return `(preempted seq ids in "
-    "order, tokens whose K/V was thrown away)`: those tokens will be computed again when the sequence is "
-    "readmitted.",
+    "The same step as `schedule_step`, with no waiting sequences, but now the pool is tight: "
+    "each running sequence `(seq_id, num_tokens, num_computed_tokens)` holds the blocks of its computed tokens and "
+    "only `num_free_blocks` are free. When a sequence's new tokens need more blocks than are free, "
+    "preempt the newest-arriving running sequence not yet scheduled this step (itself, if there is no other): "
+    "all its blocks are freed and it goes back to waiting; repeat until it fits. Return `(preempted seq ids in order, "
+    "tokens whose K/V was thrown away)`: those tokens will be computed again when the sequence is readmitted.",
     'def preempt(running: list[tuple[int, int, int]], num_free_blocks: int, block_size: int,\n'
     '            max_num_batched_tokens: int) -> tuple[list[int], int]:\n'
     '    "(seq ids preempted in this step, in order; tokens of K/V discarded that must be recomputed)."\n'
@@ -693,25 +692,20 @@ def _kernel_run(p, fn, n, seed):
 # %% ../nbs/12_puzzles.ipynb #275d2219
 KERNEL_EDGES = [([1, 7], 4, 2, 16, 4, 11), ([8, 13, 4], 4, 1, 16, 4, 12), ([5], 2, 2, 8, 8, 13)]
 
-KERNEL_STUB = ('import triton, triton.language as tl\n\n'
-               '@triton.jit\n'
-               'def paged_decode_kernel(Q, K, V, O, BLOCK_TABLES, SEQ_LENS, scale, bt_stride,\n'
-               '                        H: tl.constexpr, KVH: tl.constexpr, '
-               'D: tl.constexpr, BS: tl.constexpr):\n'
-               '    s, h = tl.program_id(0), tl.program_id(1)      '
-               '# one program per (sequence, query head)\n'
-               '    ...                                             '
-               '# walk the pages with an online softmax\n\n'
+KERNEL_STUB = ('import triton, triton.language as tl\n\n@triton.jit\ndef paged_decode_kernel(Q, K, V, O, BLOCK_TABLES, '
+               'SEQ_LENS, scale, bt_stride,\n                        H: tl.constexpr, KVH: tl.constexpr, D: '
+               'tl.constexpr, BS: tl.constexpr):\n    s, h = tl.program_id(0), '
+               'tl.program_id(1)      # one program per (sequence, query head)\n    ... '
+               '                                            # walk the pages with an online softmax\n\n'
                + DECODE_STUB.replace('def paged_decode(', 'def paged_decode_triton(').replace(
                    "read through its block table.", "with the Triton kernel."))
 
 register(Puzzle("paged_attention_triton", "The online-softmax paged decode kernel in Triton",
     "04_paged_attention",
-    "Puzzle 10 as a Triton kernel: one program per (sequence, query head) walks the sequence's pages one "
-    "block at a time, loading only positions `< seq_len` (masked loads), and keeps a running max `m`, a "
-    "running sum `l` and an accumulator `acc` rescaled by `exp(m_old - m_new)` at every page (the online "
-    "softmax of FlashAttention), so it never holds all scores at once. `D` and `block_size` are powers of "
-    "two here.",
+    "Puzzle 10 as a Triton kernel: one program per (sequence, query head) walks the sequence's pages one block at a "
+    "time, loading only positions `< seq_len` (masked loads), and keeps a running max `m`, "
+    "a running sum `l` and an accumulator `acc` rescaled by `exp(m_old - m_new)` at every page (the online softmax of "
+    "FlashAttention), so it never holds all scores at once. `D` and `block_size` are powers of two here.",
     KERNEL_STUB, spec=_attention_spec, same=_same_tensor, n=3, run=_kernel_run))
 
 # %% ../nbs/12_puzzles.ipynb #ef3b9f2a
@@ -722,10 +716,9 @@ def _ngram_case(rng):
     return dict(token_ids=token_ids, k=rng.randint(1, 6), max_n=hi, min_n=rng.randint(1, hi))
 
 register(Puzzle("ngram_propose", "N-gram proposal (prompt lookup)", "07_speculative",
-    "Propose up to `k` draft tokens with no draft model: find the last `n` tokens earlier in `token_ids` and "
-    "propose the tokens that followed that occurrence. Try `n` from `max_n` down to `min_n` (the longest "
-    "match wins); among occurrences of one `n`, the latest one; the suffix itself does not count. Return "
-    "`[]` if none.",
+    "Propose up to `k` draft tokens with no draft model: find the last `n` tokens earlier in `token_ids` and propose "
+    "the tokens that followed that occurrence. Try `n` from `max_n` down to `min_n` (the longest match wins); "
+    "among occurrences of one `n`, the latest one; the suffix itself does not count. Return `[]` if none.",
     'def ngram_propose(token_ids: list[int], k: int, max_n: int = 4, min_n: int = 1) -> list[int]:\n'
     '    "Up to k tokens that followed the latest earlier occurrence '
     'of the longest matching suffix n-gram."\n'
@@ -813,12 +806,11 @@ def _rejection_run(p, fn, n, seed, draws=3000):
 
 # %% ../nbs/12_puzzles.ipynb #64138abe
 register(Puzzle("rejection_sample", "Rejection sampling of drafts", "07_speculative",
-    "The drafts were sampled from the draft model's `q[j]`; `p[j]` is the target's distribution at the same "
-    "place (`m + 1` rows, `m` rows of `q`). Accept draft `j` with probability `min(1, p[j][d] / q[j][d])` "
-    "(one `torch.rand(..., generator=generator)` draw each); at the first rejection, sample a token from the "
-    "residual `max(0, p[j] - q[j])`, normalised, and stop; if all are accepted, sample one more from `p[m]`. "
-    "Use `generator` for every draw. The emitted tokens are then distributed exactly as the target alone "
-    "would sample them.",
+    "The drafts were sampled from the draft model's `q[j]`; `p[j]` is the target's distribution at the same place (`m "
+    "+ 1` rows, `m` rows of `q`). Accept draft `j` with probability `min(1, p[j][d] / q[j][d])` (one `torch.rand(..., "
+    "generator=generator)` draw each); at the first rejection, sample a token from the residual `max(0, p[j] - q[j])`, "
+    "normalised, and stop; if all are accepted, sample one more from `p[m]`. Use `generator` for every draw. "
+    "The emitted tokens are then distributed exactly as the target alone would sample them.",
     'def rejection_sample(p: "[m+1, V]", drafts: list[int], q: "[m, V]", '
     'generator: torch.Generator = None) -> list[int]:\n'
     '    "Accepted drafts, then one token from the residual (or from p[m]); '

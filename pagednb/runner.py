@@ -469,10 +469,9 @@ def kv_budget(model, max_num_batched_tokens, gpu_memory_utilization, kv_cache_me
         return gpu_kv_budget(mem, gpu_memory_utilization)
     room = mem.free - mem.activations
     if kv_cache_memory_bytes > room:
-        raise ValueError(f"kv_cache_memory_bytes={kv_cache_memory_bytes} is more than the {room/GiB:.2f} "
-                         f"GiB free on the GPU after this step's activations ({mem.others/GiB:.2f} GiB "
-                         f"are used by other engines or processes); give less, or shut the other engine down "
-                         f"(`llm.shutdown()`)")
+        raise ValueError(f"kv_cache_memory_bytes={kv_cache_memory_bytes} is more than the {room/GiB:.2f} GiB free on "
+                         f"the GPU after this step's activations ({mem.others/GiB:.2f} GiB are used by other engines "
+                         f"or processes); give less, or shut the other engine down (`llm.shutdown()`)")
     return int(kv_cache_memory_bytes)
 
 # %% ../nbs/06_runner.ipynb #a5678b04

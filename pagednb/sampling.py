@@ -205,8 +205,7 @@ def verify(self: SamplingParams, vocab_size: int, max_logprobs: int = 20):
     if not (_is_int(vocab_size) and vocab_size >= 1):
         raise ValueError(f"vocab_size={vocab_size!r} is invalid: it must be an integer >= 1")
     if not (_is_int(max_logprobs) and max_logprobs >= -1):
-        raise ValueError(f"max_logprobs={max_logprobs!r} is invalid: it must be an integer >= 0, or -1 for "
-                         f"no cap")
+        raise ValueError(f"max_logprobs={max_logprobs!r} is invalid: it must be an integer >= 0, or -1 for no cap")
     if self.top_k > vocab_size:
         raise _bad("top_k", self.top_k,
                    f"it must be <= the vocabulary size ({vocab_size}), or 0/-1 for no limit")
@@ -409,10 +408,9 @@ def token_logprobs(logprobs, token_ids, nums, decode=None):
     chosen = lp.gather(-1, tok)
     rank = ((lp > chosen).sum(-1) + 1).tolist()
     top = lp.topk(max(ks), dim=-1)
-    vals, ids, chosen, tok = top.values.tolist(), top.indices.tolist(), chosen[:, 0].tolist(), tok[:,
-                                                                                                   0].tolist()
+    vals, ids = top.values.tolist(), top.indices.tolist()
+    chosen, tok = chosen[:, 0].tolist(), tok[:, 0].tolist()
     dec = decode or (lambda t: None)
-    # per row, to build the Python result
     for j, i in enumerate(rows):
         out[i] = {tok[j]: Logprob(chosen[j], rank[j], dec(tok[j]))}
         top = zip(vals[j][:ks[j]], ids[j][:ks[j]])

@@ -304,7 +304,7 @@ def _give_back_drafts(self: Scheduler, plan: StepPlan, computed: dict):
 # %% ../nbs/05_scheduler.ipynb #sched-commit
 @patch
 def commit(self: Scheduler, plan: StepPlan, new_tokens: dict, computed: dict, check_stop) -> dict:
-    "Make a step final: append `new_tokens` (`{seq: tokens}`) up to a stop, record what is computed, free what finished."
+    "Make a step final: append `new_tokens` (`{seq: tokens}`) up to a stop, record what is computed, free the rest."
     reasons = {}
     for seq, toks in new_tokens.items():
         appended, reasons[seq] = self._append(seq, toks, check_stop)

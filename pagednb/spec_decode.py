@@ -50,9 +50,10 @@ def _check_ngram(c: SpeculativeConfig):
 def _check_draft(c: SpeculativeConfig):
     "A draft model needs a model; the target's own first layers (`'self'`) need how many."
     if c.model is None:
-        raise ValueError("speculative_config for method 'draft_model' needs 'model': a name, a path, or 'self' "
-                         "with 'num_layers'")
-    if c.model == "self": _positive("num_layers", c.num_layers, "an integer >= 1: how many of the target's layers the draft keeps")
+        raise ValueError("speculative_config for method 'draft_model' needs "
+                         "'model': a name, a path, or 'self' with 'num_layers'")
+    keeps = "an integer >= 1: how many of the target's layers the draft keeps"
+    if c.model == "self": _positive("num_layers", c.num_layers, keeps)
 
 # %% ../nbs/07_speculative.ipynb #spec-parse
 _FIELDS = {f.name for f in dataclasses.fields(SpeculativeConfig)}
@@ -67,7 +68,8 @@ def parse_speculative_config(cfg: dict) -> SpeculativeConfig:
     c = SpeculativeConfig(**{"num_speculative_tokens": 5 if method == "ngram" else 3,
                              **{k: v for k, v in cfg.items() if k in _FIELDS}})
     _positive("num_speculative_tokens", c.num_speculative_tokens)
-    if c.disable_by_batch_size is not None: _positive("disable_by_batch_size", c.disable_by_batch_size, "an integer >= 1 or None")
+    d = c.disable_by_batch_size
+    if d is not None: _positive("disable_by_batch_size", d, "an integer >= 1 or None")
     _check_ngram(c) if method == "ngram" else _check_draft(c)
     return c
 
@@ -310,20 +312,23 @@ def metrics(self: SpecDecoder):
                 spec_acceptance_per_position=per_position)
 
 # %% ../nbs/07_speculative.ipynb #2ef3d054
+def _fate_colour(j, accepted, proposed):
+    "Blue for the target's own token (the last), green for an accepted draft, red for a rejected one."
+    return "#4c78a8" if j == proposed else "#54a24b" if j < accepted else "#e45756"
+
 def plot_speculation(steps, decode=None, max_steps=12):
-    "Each verify step of each sequence: drafts accepted (green) or rejected (red), then the target's own token (blue)."
+    "Each verify step of each sequence: drafts accepted (green) or rejected (red), then the target's own (blue)."
     import plotly.graph_objects as go
     decode = decode or (lambda t: str(t[0]))
     rows = [(i, sid, r) for i, st in enumerate(steps[:max_steps]) for sid, r in st.items()]
-    xs, ys, colors, texts = [], [], [], []
-    for y, (i, sid, r) in enumerate(rows):
-        a, m = r["num_accepted"], len(r["proposed"])
-        for j, t in enumerate(r["proposed"] + [r["bonus"]]):
-            xs.append(j); ys.append(y); texts.append(decode([t]))
-            colors.append("#4c78a8" if j == m else "#54a24b" if j < a else "#e45756")
+    cells = [(j, y, decode([t]), _fate_colour(j, r["num_accepted"], len(r["proposed"])))
+             for y, (_, _, r) in enumerate(rows) for j, t in enumerate(r["proposed"] + [r["bonus"]])]
+    xs, ys, texts, colours = zip(*cells) if cells else ((), (), (), ())
+    marker = dict(size=16, color=list(colours), symbol="square")
     fig = go.Figure(go.Scatter(x=xs, y=ys, mode="markers+text", text=texts, textposition="top center",
-                               marker=dict(size=16, color=colors, symbol="square"), hoverinfo="text"))
+                               marker=marker, hoverinfo="text"))
+    ticks = dict(tickvals=list(range(len(rows))), ticktext=[f"step {i}, seq {sid}" for i, sid, _ in rows])
     fig.update_layout(height=80 + 45*len(rows), xaxis_title="position in the step (last: the target's own token)",
-                      yaxis=dict(tickvals=list(range(len(rows))), ticktext=[f"step {i}, seq {sid}" for i, sid, _ in rows], autorange="reversed"),
-                      title="Speculation: accepted (green), rejected (red), the target's token (blue)", showlegend=False)
+                      yaxis=dict(ticks, autorange="reversed"), showlegend=False,
+                      title="Speculation: accepted (green), rejected (red), the target's token (blue)")
     return fig

@@ -371,8 +371,8 @@ def _drafts(self: Trace, st, s) -> dict:
     kept = st["sampled"].get(str(s["seq"]), [])
     last = s.get("bonus", kept[-1] if kept else None)
     fates = ["accepted"]*a + ["rejected"]*(len(d) - a)
-    drafts = [dict(token=t, text=self.text_of([t]), position=start + 1 + j, fate=f) for j, (t,
-                                                                                            f) in enumerate(zip(d, fates))]
+    drafts = [dict(token=t, text=self.text_of([t]), position=start + 1 + j, fate=f)
+              for j, (t, f) in enumerate(zip(d, fates))]
     extra = dict(token=last, text=self.text_of([last]), position=start + 1 + a,
                  fate="bonus" if a == len(d) else "recovered")
     return dict(seq=s["seq"], start=start, proposed=list(d), accepted=a, drafts=drafts, kept=extra,
