@@ -6,8 +6,8 @@ Docs: https://pagednb.github.io/pagednb/block_manager.html.md"""
 
 # %% auto #0
 __all__ = ['PALETTE', 'FREE_COLOR', 'CACHED_COLOR', 'kv_cache_shape', 'Sequence', 'Block', 'BlockManagerError',
-           'NoFreeBlocksError', 'UnknownSequenceError', 'InvalidBlockError', 'check_block_size', 'BlockManager',
-           'Allocation', 'compute_slot_mapping', 'memory_snapshot', 'seq_color', 'plot_memory_map',
+           'NoFreeBlocksError', 'UnknownSequenceError', 'InvalidBlockError', 'check_block_size', 'check_windows',
+           'BlockManager', 'Allocation', 'compute_slot_mapping', 'memory_snapshot', 'seq_color', 'plot_memory_map',
            'request_max_tokens', 'reserved_slots', 'kv_waste', 'requests_that_fit', 'simulate_admission',
            'memory_waste_table', 'plot_memory_waste']
 
@@ -26,16 +26,24 @@ def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim
 
 # %% ../nbs/02_block_manager.ipynb #b77965ca
 class Sequence:
-    "A request's token ids and its view of the paged KV cache: block table and how many tokens are computed."
+    "A request's token ids and its view of the paged KV cache: block tables and how many tokens are computed."
     def __init__(self, seq_id: int, token_ids, cache_salt: str | None = None):
         self.seq_id = seq_id
         self.token_ids: list[int] = list(token_ids)     # prompt + generated so far
         self.num_prompt_tokens = len(self.token_ids)
-        self.block_table: list[int] = []                # logical block i -> physical block id
+        self.block_tables: list[list[int]] = [[]]       # per KV-cache group: logical block i -> physical block
         self.num_computed_tokens = 0                    # tokens whose K/V is in the cache
         self.num_cached_tokens = 0                      # prompt tokens served by the prefix cache
         self.cache_salt = cache_salt                    # isolates tenants in the prefix cache
         self.block_hashes: list = []                    # hash of each full block, filled by the prefix cache
+
+    @property
+    def block_table(self) -> list[int]:
+        "The block table of the first KV-cache group: the only one where every layer attends alike."
+        return self.block_tables[0]
+
+    @block_table.setter
+    def block_table(self, table): self.block_tables[0] = table
 
 # %% ../nbs/02_block_manager.ipynb #50f4ef1e
 @patch(as_prop=True)
@@ -53,9 +61,9 @@ def __repr__(self: Sequence):
 # %% ../nbs/02_block_manager.ipynb #d2ed637c
 class Block:
     "One physical block of the pool: its id, how many block tables hold it, its content hash (prefix cache)."
-    __slots__ = ("block_id", "ref_count", "block_hash")
+    __slots__ = ("block_id", "ref_count", "block_hash", "group")
     def __init__(self, block_id: int):
-        self.block_id, self.ref_count, self.block_hash = block_id, 0, None
+        self.block_id, self.ref_count, self.block_hash, self.group = block_id, 0, None, 0
     def __repr__(self):
         return f"Block({self.block_id}, ref_count={self.ref_count}, hashed={self.block_hash is not None})"
 
@@ -88,22 +96,31 @@ def check_block_size(block_size) -> int:
     return block_size
 
 # %% ../nbs/02_block_manager.ipynb #5143ab34
+def check_windows(windows) -> tuple:
+    "The KV-cache groups' windows: a non-empty list of None (full attention) or token counts >= 1."
+    ws = tuple(windows) if isinstance(windows, (list, tuple)) else None
+    if not ws or not all(w is None or (isinstance(w, int) and not isinstance(w, bool) and w >= 1) for w in ws):
+        raise ValueError(f"windows must be a non-empty list of None or integers >= 1 (one per KV-cache group), "
+                         f"got {windows!r}")
+    return ws
+
 class BlockManager:
     "A pool of `num_blocks` KV blocks of `block_size` slots, handed to sequences through block tables."
     enable_prefix_caching = False
 
-    def __init__(self, num_blocks: int, block_size: int = 16, watermark: float = 0.01):
-        self.block_size = check_block_size(block_size)
+    def __init__(self, num_blocks: int, block_size: int = 16, watermark: float = 0.01, windows=(None,)):
+        self.block_size, self.windows = check_block_size(block_size), check_windows(windows)
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
         if not 0 <= watermark < 1:
             raise ValueError(f"watermark is a fraction of the pool in [0, 1), got {watermark!r}")
         self.num_blocks, self.watermark = num_blocks, watermark
         self.watermark_blocks = int(watermark*num_blocks)
+        self.null_block = 0 if any(w is not None for w in self.windows) else None
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_block_ids = deque(range(num_blocks))            # plain free blocks, O(1) at both ends
-        # free blocks still holding a hash, LRU first
-        self.cached_free: OrderedDict[int, None] = OrderedDict()
+        first = 0 if self.null_block is None else 1                # the null block is never handed out
+        self.free_block_ids = deque(range(first, num_blocks))     # plain free blocks, O(1) at both ends
+        self.cached_free: OrderedDict[int, None] = OrderedDict()  # free blocks still holding a hash, LRU first
         self.seqs: dict = {}                                      # seq_id -> live Sequence
         self._num_used = 0
 
@@ -128,8 +145,8 @@ def num_cached_free_blocks(self: BlockManager) -> int: return len(self.cached_fr
 
 @patch(as_prop=True)
 def usage(self: BlockManager) -> float:
-    "Fraction of the pool held by at least one block table."
-    return self._num_used/self.num_blocks
+    "Fraction of the pool (less the null block) held by at least one block table."
+    return self._num_used/(self.num_blocks - (self.null_block is not None))
 
 @patch(as_prop=True)
 def ref_counts(self: BlockManager) -> list[int]: return [b.ref_count for b in self.blocks]
@@ -202,7 +219,7 @@ def _evict(self: BlockManager) -> int:
 
 # %% ../nbs/02_block_manager.ipynb #fb59c6c3
 @patch
-def get_computed_blocks(self: BlockManager, seq) -> list[int]:
+def get_computed_blocks(self: BlockManager, seq) -> list:
     "Blocks of `seq`'s prompt already in the cache: none without prefix caching."
     return []
 
@@ -210,27 +227,42 @@ def get_computed_blocks(self: BlockManager, seq) -> list[int]:
 def cache_blocks(self: BlockManager, seq, num_computed_tokens: int):
     "Register full blocks in the prefix cache: nothing to do here."
 
+# %% ../nbs/02_block_manager.ipynb #bm-tables
+@patch
+def _tables(self: BlockManager, seq) -> list:
+    "`seq`'s block tables, one per KV-cache group of this manager."
+    while len(seq.block_tables) < len(self.windows): seq.block_tables.append([])
+    return seq.block_tables
+
 # %% ../nbs/02_block_manager.ipynb #e243d891
 @dataclass
 class Allocation:
     "What one `allocate` call did: blocks taken from the pool, and copy-on-write copies for the runner."
-    # fresh blocks (appended, or copy-on-write targets)
+    # fresh blocks (appended, or copy-on-write targets), every group's
     new_blocks: list[int] = field(default_factory=list)
     # (src_block, dst_block): copy K/V before the writes
     copies: list[tuple[int, int]] = field(default_factory=list)
     computed_blocks: list[int] = field(default_factory=list)    # prefix-cache hits, shared by reference
 
+# %% ../nbs/02_block_manager.ipynb #bm-hit-columns
+@patch
+def _hit_columns(self: BlockManager, computed_blocks) -> list:
+    "Prefix-cache hits as one list per group: a hit entry is a block id, or a tuple of one per group."
+    if len(self.windows) == 1: return [list(computed_blocks)]
+    if not computed_blocks: return [[] for _ in self.windows]
+    return [list(col) for col in zip(*computed_blocks)]
+
 # %% ../nbs/02_block_manager.ipynb #ea0ef792
 @patch
-def _plan_start(self: BlockManager, seq, computed_blocks):
-    "(first position to compute, blocks already held, hit blocks to take back from cached-free) for `_plan`."
-    if not computed_blocks: return seq.num_computed_tokens, len(seq.block_table), 0
-    if seq.block_table:
+def _plan_start(self: BlockManager, seq, table, hits):
+    "(first position to compute, blocks already held, hit blocks to take back from cached-free) of one table."
+    if not hits: return seq.num_computed_tokens, len(table), 0
+    if table:
         raise ValueError(f"computed_blocks (prefix-cache hits) can only be given to a sequence with no "
-                         f"blocks yet; sequence {seq.seq_id} holds {len(seq.block_table)}")
-    self.check_block_table(computed_blocks, allow_free=True)
-    revive = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
-    return len(computed_blocks)*self.block_size, len(computed_blocks), revive
+                         f"blocks yet; sequence {seq.seq_id} holds {len(table)}")
+    self.check_block_table(hits, allow_free=True)
+    revive = sum(1 for b in hits if b != self.null_block and self.blocks[b].ref_count == 0)
+    return len(hits)*self.block_size, len(hits), revive
 
 # %% ../nbs/02_block_manager.ipynb #26f643a7
 @patch
@@ -240,20 +272,28 @@ def _needs_copy(self: BlockManager, blk) -> bool:
 
 # %% ../nbs/02_block_manager.ipynb #3011d0f6
 @patch
-def _plan(self: BlockManager, seq, num_new_tokens: int, computed_blocks=(), num_lookahead_slots: int = 0):
-    "(blocks needed from the pool, blocks to append, logical indices to copy-on-write); changes nothing."
-    if num_new_tokens < 0 or num_lookahead_slots < 0:
-        raise ValueError(f"num_new_tokens and num_lookahead_slots must be >= 0, "
-                         f"got {num_new_tokens} and {num_lookahead_slots}")
-    bs, table = self.block_size, seq.block_table
-    start, held, revive = self._plan_start(seq, computed_blocks)
-    end = start + num_new_tokens + num_lookahead_slots
+def _plan_table(self: BlockManager, seq, table, hits, end) -> tuple:
+    "One table's (blocks needed from the pool, blocks to append, logical indices to copy-on-write) up to `end`."
+    bs = self.block_size
+    start, held, revive = self._plan_start(seq, table, hits)
     end_blocks = -(-end//bs)
     cow = []
-    if end > start and not computed_blocks:
+    if end > start and not hits:
         cow = [i for i in range(start//bs, min(held, end_blocks)) if self._needs_copy(self.blocks[table[i]])]
     append = max(0, end_blocks - held)
     return append + len(cow) + revive, append, cow
+
+@patch
+def _plan(self: BlockManager, seq, num_new_tokens: int, computed_blocks=(), num_lookahead_slots: int = 0):
+    "Blocks needed from the pool in all, and each table's `(append, cow)`; changes nothing."
+    if num_new_tokens < 0 or num_lookahead_slots < 0:
+        raise ValueError(f"num_new_tokens and num_lookahead_slots must be >= 0, "
+                         f"got {num_new_tokens} and {num_lookahead_slots}")
+    start = len(computed_blocks)*self.block_size if computed_blocks else seq.num_computed_tokens
+    end = start + num_new_tokens + num_lookahead_slots
+    cols = self._hit_columns(computed_blocks)
+    plans = [self._plan_table(seq, t, h, end) for t, h in zip(self._tables(seq), cols)]
+    return sum(p[0] for p in plans), [p[1:] for p in plans]
 
 # %% ../nbs/02_block_manager.ipynb #526d0991
 @patch
@@ -267,18 +307,18 @@ def can_allocate(self: BlockManager, seq, num_new_tokens: int, computed_blocks=(
 # %% ../nbs/02_block_manager.ipynb #408ca6be
 @patch
 def _share_hits(self: BlockManager, seq, computed_blocks, out: Allocation):
-    "Start `seq`'s block table with the prefix-cache hits, by reference: their tokens count as computed."
-    for b in computed_blocks:
-        self._incref(b)
-    seq.block_table.extend(computed_blocks)
-    out.computed_blocks = list(computed_blocks)
+    "Start `seq`'s block tables with the prefix-cache hits, by reference: their tokens count as computed."
+    for table, hits in zip(self._tables(seq), self._hit_columns(computed_blocks)):
+        for b in hits:
+            if b != self.null_block: self._incref(b)
+        table.extend(hits)
+        out.computed_blocks += [b for b in hits if b != self.null_block]
     seq.num_computed_tokens = seq.num_cached_tokens = len(computed_blocks)*self.block_size
 
 # %% ../nbs/02_block_manager.ipynb #4c711b5a
 @patch
-def _copy_on_write(self: BlockManager, seq, cow, out: Allocation):
-    "Give `seq` its own copy of each shared block it is about to write (logical indices `cow`)."
-    table = seq.block_table
+def _copy_on_write(self: BlockManager, seq, table, cow, out: Allocation):
+    "Give `seq` its own copy of each shared block of `table` it is about to write (logical indices `cow`)."
     for i in cow:
         old, new = table[i], self._pop_free_block()
         table[i] = new
@@ -291,28 +331,28 @@ def _copy_on_write(self: BlockManager, seq, cow, out: Allocation):
 @patch
 def allocate(self: BlockManager, seq, num_new_tokens: int, computed_blocks=(),
              num_lookahead_slots: int = 0) -> Allocation:
-    "Grow `seq.block_table` to cover computed, new and lookahead tokens; all or nothing."
+    "Grow `seq`'s block tables to cover computed, new and lookahead tokens; all or nothing."
     live = self.seqs.get(seq.seq_id)
     if live is not None and live is not seq:
         raise ValueError(f"seq_id {seq.seq_id} is already used by another live sequence")
-    needed, append, cow = self._plan(seq, num_new_tokens, computed_blocks, num_lookahead_slots)
+    needed, plans = self._plan(seq, num_new_tokens, computed_blocks, num_lookahead_slots)
     if needed > self.num_free_blocks:
         raise NoFreeBlocksError(needed, self.num_free_blocks, self.num_blocks, seq.seq_id)
     self.seqs[seq.seq_id] = seq
     out = Allocation()
-    if computed_blocks:
-        self._share_hits(seq, computed_blocks, out)
-    self._copy_on_write(seq, cow, out)
-    for _ in range(append):
-        out.new_blocks.append(self._pop_free_block())
-    seq.block_table.extend(out.new_blocks[len(cow):])
+    if computed_blocks: self._share_hits(seq, computed_blocks, out)
+    for table, (append, cow) in zip(self._tables(seq), plans):
+        self._copy_on_write(seq, table, cow, out)
+        new = [self._pop_free_block() for _ in range(append)]
+        table.extend(new)
+        out.new_blocks += new
     return out
 
 # %% ../nbs/02_block_manager.ipynb #0c612c2e
 @patch
-def slot_mapping(self: BlockManager, seq, start: int, end: int) -> list[int]:
-    "Cache slots of `seq`'s token positions `[start, end)`: `block_table[p // bs] * bs + p % bs`."
-    bs, table = self.block_size, seq.block_table
+def slot_mapping(self: BlockManager, seq, start: int, end: int, group: int = 0) -> list[int]:
+    "Cache slots of `seq`'s token positions `[start, end)` in `group`: `block_table[p // bs] * bs + p % bs`."
+    bs, table = self.block_size, self._tables(seq)[group]
     if not 0 <= start <= end <= len(table)*bs:
         raise ValueError(f"positions [{start}, {end}) are outside sequence {seq.seq_id}'s "
                          f"{len(table)} blocks ({len(table)*bs} positions): allocate first")
@@ -336,12 +376,17 @@ def _check_live(self: BlockManager, seq):
                                    f"(never allocated, or already freed)")
 
 @patch
+def _release(self: BlockManager, blocks):
+    "Drop one reference on each of `blocks`, in that order; the null block is nobody's."
+    for bid in blocks:
+        if bid != self.null_block: self._decref(bid)
+
+@patch
 def deallocate(self: BlockManager, seq):
     "Release all of `seq`'s blocks (tail first) and reset its cache counters; the sequence is forgotten."
     self._check_live(seq)
-    for bid in reversed(seq.block_table):
-        self._decref(bid)
-    seq.block_table = []
+    for table in self._tables(seq): self._release(reversed(table))
+    seq.block_tables = [[] for _ in seq.block_tables]
     seq.num_computed_tokens = seq.num_cached_tokens = 0
     del self.seqs[seq.seq_id]
 
@@ -352,11 +397,10 @@ def fork(self: BlockManager, parent, child):
     self._check_live(parent)
     if child.seq_id in self.seqs:
         raise ValueError(f"cannot fork into sequence {child.seq_id}: it is already live")
-    if child.block_table:
+    if any(child.block_tables):
         raise ValueError(f"cannot fork into sequence {child.seq_id}: it already holds blocks")
-    child.block_table = list(parent.block_table)
-    for bid in child.block_table:
-        self._incref(bid)
+    child.block_tables = [list(t) for t in self._tables(parent)]
+    for bid in (b for t in child.block_tables for b in t if b != self.null_block): self._incref(bid)
     child.num_computed_tokens, child.num_cached_tokens = parent.num_computed_tokens, parent.num_cached_tokens
     self.seqs[child.seq_id] = child
 
@@ -364,10 +408,13 @@ def fork(self: BlockManager, parent, child):
 @patch
 def writes_in_place(self: BlockManager, seq, num_new_tokens: int = 1) -> bool:
     "Would `allocate(seq, num_new_tokens)` change nothing? Its slots are held, in blocks only it may write."
-    bs, table, start = self.block_size, seq.block_table, seq.num_computed_tokens
+    bs, start = self.block_size, seq.num_computed_tokens
     end = start + num_new_tokens
-    if self.seqs.get(seq.seq_id) is not seq or end > len(table)*bs: return False
-    return not any(self._needs_copy(self.blocks[table[i]]) for i in range(start//bs, -(-end//bs)))
+    if self.seqs.get(seq.seq_id) is not seq: return False
+    for table in self._tables(seq):
+        if end > len(table)*bs: return False
+        if any(self._needs_copy(self.blocks[table[i]]) for i in range(start//bs, -(-end//bs))): return False
+    return True
 
 # %% ../nbs/02_block_manager.ipynb #9308cf6a
 @patch
@@ -376,24 +423,49 @@ def trim(self: BlockManager, seq, num_tokens: int):
     self._check_live(seq)
     if num_tokens < 0: raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
     keep = -(-num_tokens//self.block_size)
-    for bid in reversed(seq.block_table[keep:]):
-        self._decref(bid)
-    del seq.block_table[keep:]
+    for table in self._tables(seq):
+        self._release(reversed(table[keep:]))
+        del table[keep:]
     seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens)
 
+# %% ../nbs/02_block_manager.ipynb #bm-free-skipped
+@patch
+def _skipped_blocks(self: BlockManager, seq, window) -> int:
+    "How many leading blocks of a `window`-token group no later token of `seq` attends to."
+    if window is None: return 0
+    return max(0, seq.num_computed_tokens - window + 1)//self.block_size
+
+@patch
+def free_skipped(self: BlockManager, seq) -> list[int]:
+    "Give back the blocks of `seq` that every sliding window has left (earliest first); the ids freed."
+    freed = []
+    for table, w in zip(self._tables(seq), self.windows):
+        for i in range(min(self._skipped_blocks(seq, w), len(table))):
+            if table[i] == self.null_block: continue
+            freed.append(table[i])
+            self._release([table[i]])
+            table[i] = self.null_block
+    return freed
+
 # %% ../nbs/02_block_manager.ipynb #3853be4f
+@patch
+def _count_table(self: BlockManager, s, table, window, counts):
+    "Count the blocks of one of `s`'s tables into `counts`, checking the table on the way."
+    real = [b for b in table if b != self.null_block]
+    assert len(set(real)) == len(real), f"sequence {s.seq_id} holds a block twice: {table}"
+    assert window is not None or len(real) == len(table), f"sequence {s.seq_id}'s full-attention table holds the null block"
+    assert s.num_computed_tokens <= len(table)*self.block_size, \
+        f"sequence {s.seq_id} has {s.num_computed_tokens} computed tokens but only {len(table)} blocks"
+    for b in real:
+        assert 0 <= b < self.num_blocks, f"sequence {s.seq_id} holds out-of-range block {b}"
+        counts[b] += 1
+
 @patch
 def _count_holders(self: BlockManager) -> list[int]:
     "How many live block tables hold each block, checking each table on the way."
     counts = [0]*self.num_blocks
     for s in self.seqs.values():
-        t = s.block_table
-        assert len(set(t)) == len(t), f"sequence {s.seq_id} holds a block twice: {t}"
-        assert s.num_computed_tokens <= len(t)*self.block_size, \
-            f"sequence {s.seq_id} has {s.num_computed_tokens} computed tokens but only {len(t)} blocks"
-        for b in t:
-            assert 0 <= b < self.num_blocks, f"sequence {s.seq_id} holds out-of-range block {b}"
-            counts[b] += 1
+        for table, w in zip(self._tables(s), self.windows): self._count_table(s, table, w, counts)
     return counts
 
 # %% ../nbs/02_block_manager.ipynb #a9ef1046
@@ -401,6 +473,9 @@ def _count_holders(self: BlockManager) -> list[int]:
 def _check_block(self: BlockManager, b: Block, count: int, free_set: set):
     "Block `b` is held by exactly `count` tables, and is used, plain free or cached-free accordingly."
     i, cached = b.block_id, self.cached_free
+    if i == self.null_block:
+        assert b.ref_count == 0 and i not in free_set and i not in cached, "the null block was handed out"
+        return
     assert b.ref_count == count, f"block {i} has ref_count {b.ref_count} but {count} block tables hold it"
     if b.ref_count:
         assert i not in free_set and i not in cached, f"block {i} is both used and free"

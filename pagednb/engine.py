@@ -21,6 +21,7 @@ from .scheduler import Scheduler, Sequence, SequenceStatus
 from .sampling import SamplingParams, CompletionOutput, RequestOutput, RequestMetrics, sample
 from .sampling import process_logits, token_logprobs, RequestOutputKind
 from .runner import ModelRunner, num_kv_blocks, kv_line
+from .hybrid_kv import model_kv_groups, blocks_per_request, max_concurrency, describe_groups
 from .spec_decode import SpecDecoder
 from .engine_args import EngineArgs, engine_args, check_engine_runs, scheduler_config
 from .trace import Trace
@@ -109,14 +110,34 @@ def give_back_memory(libc=_LIBC):
 def _build(self: LLMEngine, args: EngineArgs):
     "Size the KV cache, then make the block manager, the scheduler and the runner over it."
     c, bs = self.sched_config, args.block_size
-    sizes = (args.gpu_memory_utilization, args.kv_cache_memory_bytes, args.num_gpu_blocks_override)
-    num_blocks, block_bytes = num_kv_blocks(self.model, bs, c.max_model_len, c.max_num_batched_tokens, *sizes)
-    self.block_manager = make_block_manager(num_blocks, bs, args.enable_prefix_caching)
+    groups = self.kv_groups = model_kv_groups(self.model_config)              # `03a_hybrid_kv`
+    num_blocks, block_bytes = self._num_blocks(args, groups)
+    windows = [g.window for g in groups]
+    self.block_manager = make_block_manager(num_blocks, bs, args.enable_prefix_caching, windows=windows)
     self.scheduler = Scheduler(c, self.block_manager)
-    self.runner = ModelRunner(self.model, num_blocks, bs, args.attention_backend)
-    self.kv_line = kv_line(num_blocks, bs, block_bytes, c.max_model_len)
+    self.runner = ModelRunner(self.model, num_blocks, bs, args.attention_backend, groups=groups)
+    self.kv_line = self._kv_line(num_blocks, block_bytes)
     if args.log: print(self.kv_line, flush=True)
     give_back_memory()                                   # loading and packing leave freed heap pages behind
+
+# %% ../nbs/06b_engine.ipynb #engine-num-blocks
+@patch
+def _num_blocks(self: LLMEngine, args, groups):
+    "KV blocks and bytes per block: a block holds one group's layers; a request needs every group's blocks."
+    c, bs = self.sched_config, args.block_size
+    sizes = (args.gpu_memory_utilization, args.kv_cache_memory_bytes, args.num_gpu_blocks_override)
+    hybrid = len(groups) > 1 or groups[0].window is not None
+    need = blocks_per_request(groups, bs, c.max_model_len, c.max_num_batched_tokens) + 1 if hybrid else None
+    return num_kv_blocks(self.model, bs, c.max_model_len, c.max_num_batched_tokens, *sizes,
+                         layers_per_block=len(groups[0].layers), need_blocks=need)
+
+@patch
+def _kv_line(self: LLMEngine, num_blocks, block_bytes):
+    "The start-up line; for a hybrid model, its groups and vLLM's concurrency over them."
+    c, bm, groups = self.sched_config, self.block_manager, self.kv_groups
+    if bm.null_block is None and len(groups) == 1: return kv_line(num_blocks, bm.block_size, block_bytes, c.max_model_len)
+    conc = max_concurrency(groups, num_blocks, bm.block_size, c.max_model_len, c.max_num_batched_tokens, bm.null_block)
+    return kv_line(num_blocks, bm.block_size, block_bytes, c.max_model_len, conc, describe_groups(groups))
 
 # %% ../nbs/06b_engine.ipynb #478988fd
 @patch

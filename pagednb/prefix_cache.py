@@ -58,25 +58,29 @@ class PrefixCacheStats:
     hit_rate: float
     evictions: int
     num_cached_blocks: int
+    hits_per_group: list | None = None      # tokens each KV-cache group alone could have served (`03a`)
 
 # %% ../nbs/03_prefix_cache.ipynb #620c6124
 class PrefixCachingBlockManager(BlockManager):
     "A `BlockManager` whose full, computed blocks are found by their prefix's hash, shared by ref count."
     enable_prefix_caching = True
 
-    def __init__(self, num_blocks: int, block_size: int = 16, watermark: float = 0.01):
-        super().__init__(num_blocks, block_size, watermark)
-        self.hash_to_block: dict[bytes, int] = {}
-        # seq_id -> leading blocks that cache_blocks has already handled
-        self._num_hashed: dict[int, int] = {}
+    def __init__(self, num_blocks: int, block_size: int = 16, watermark: float = 0.01, windows=(None,)):
+        super().__init__(num_blocks, block_size, watermark, windows)
+        self.hash_to_block: dict[bytes, int] = {}                       # the first group's registry
+        self.registries = [self.hash_to_block] + [{} for _ in self.windows[1:]]   # one per KV-cache group
+        # seq_id -> per group, the leading blocks that cache_blocks has already handled
+        self._num_hashed: dict[int, list] = {}
         self.num_queries = self.num_hits = self.num_evictions = 0
+        self.group_hits = [0]*len(self.windows)
 
 # %% ../nbs/03_prefix_cache.ipynb #698e05d5
 @patch(as_prop=True)
 def prefix_cache_stats(self: PrefixCachingBlockManager) -> PrefixCacheStats:
     "The counters so far, with the hit rate in tokens."
     q, h = self.num_queries, self.num_hits
-    return PrefixCacheStats(q, h, h/q if q else 0.0, self.num_evictions, len(self.hash_to_block))
+    cached = sum(len(r) for r in self.registries)
+    return PrefixCacheStats(q, h, h/q if q else 0.0, self.num_evictions, cached, list(self.group_hits))
 
 # %% ../nbs/03_prefix_cache.ipynb #2826a375
 @patch
@@ -99,25 +103,34 @@ def _revive(self: PrefixCachingBlockManager, bid: int):
 # %% ../nbs/03_prefix_cache.ipynb #bdeac685
 @patch
 def _evict(self: PrefixCachingBlockManager) -> int:
-    "Take the least recently used cached-free block and forget its hash."
+    "Take the least recently used cached-free block and forget its hash (in its group's registry)."
     if not self.cached_free: raise NoFreeBlocksError(1, 0, self.num_blocks)
     bid, _ = self.cached_free.popitem(last=False)
     b = self.blocks[bid]
-    del self.hash_to_block[b.block_hash]
+    del self.registries[b.group][b.block_hash]
     b.block_hash = None
     self.num_evictions += 1
     return bid
 
 # %% ../nbs/03_prefix_cache.ipynb #80245278
 @patch
-def get_computed_blocks(self: PrefixCachingBlockManager, seq) -> list[int]:
+def get_computed_blocks(self: PrefixCachingBlockManager, seq) -> list:
     "Blocks of the longest cached prefix of `seq`, whole blocks, leaving a token to compute; a pure lookup."
     n = (seq.num_tokens - 1)//self.block_size
     # e.g. prompt logprobs: compute every position
     if n <= 0 or getattr(seq, "skip_prefix_cache", False): return []
-    out, table = [], self.hash_to_block
-    for h in compute_block_hashes(seq, self.block_size, n)[:n]:
-        b = table.get(h)
+    hashes = compute_block_hashes(seq, self.block_size, n)[:n]
+    if len(self.windows) == 1: return self._group_hit(0, hashes, n)
+    return list(zip(*self._hybrid_hit(seq, hashes, n)))
+
+# %% ../nbs/03_prefix_cache.ipynb #pc-group-hit
+@patch
+def _group_hit(self: PrefixCachingBlockManager, g, hashes, cap) -> list:
+    "Group `g`'s longest hit of at most `cap` blocks: the cached run from the start (full attention)."
+    if self.windows[g] is not None: return self._window_hit(g, hashes, cap)
+    out, registry = [], self.registries[g]
+    for h in hashes[:cap]:
+        b = registry.get(h)
         if b is None: break
         out.append(b)
     return out
@@ -126,12 +139,14 @@ def get_computed_blocks(self: PrefixCachingBlockManager, seq) -> list[int]:
 @patch
 def _check_hits(self: PrefixCachingBlockManager, seq, computed_blocks):
     "Raise `InvalidBlockError` unless `computed_blocks` are still the cached blocks of `seq`'s prefix."
-    self.check_block_table(computed_blocks, allow_free=True)
     hs = seq.block_hashes
-    for i, b in enumerate(computed_blocks):
-        if i >= len(hs) or self.hash_to_block.get(hs[i]) != b:
-            raise InvalidBlockError(f"computed_blocks[{i}] = {b} is not the cached block {i} of sequence {seq.seq_id} "
-                                    f"(evicted since the lookup?): call get_computed_blocks again")
+    for registry, hits in zip(self.registries, self._hit_columns(computed_blocks)):
+        self.check_block_table(hits, allow_free=True)
+        for i, b in enumerate(hits):
+            if b == self.null_block: continue                # a block the window left: nothing to check
+            if i >= len(hs) or registry.get(hs[i]) != b:
+                raise InvalidBlockError(f"computed_blocks[{i}] = {b} is not the cached block {i} of sequence "
+                                        f"{seq.seq_id} (evicted since the lookup?): call get_computed_blocks again")
 
 # %% ../nbs/03_prefix_cache.ipynb #6e1f8cc8
 @patch
@@ -142,29 +157,43 @@ def allocate(self: PrefixCachingBlockManager, seq, num_new_tokens: int, computed
     if computed_blocks:
         self._check_hits(seq, computed_blocks)
     out = BlockManager.allocate(self, seq, num_new_tokens, computed_blocks, num_lookahead_slots)
-    if admission:
-        self.num_queries += seq.num_tokens
-        self.num_hits += len(computed_blocks)*self.block_size
-        self._num_hashed[seq.seq_id] = len(computed_blocks)   # hits are registered already
+    if admission: self._count_admission(seq, len(computed_blocks))
     return out
+
+@patch
+def _count_admission(self: PrefixCachingBlockManager, seq, hit_blocks):
+    "The statistics of an admitted sequence, and the hits it took (registered already)."
+    hit = hit_blocks*self.block_size
+    self.num_queries += seq.num_tokens
+    self.num_hits += hit
+    alone = getattr(seq, "group_hit_tokens", None) or [hit]*len(self.windows)
+    self.group_hits = [a + b for a, b in zip(self.group_hits, alone)]
+    self._num_hashed[seq.seq_id] = [hit_blocks]*len(self.windows)
 
 # %% ../nbs/03_prefix_cache.ipynb #6cdec4aa
 @patch
-def cache_blocks(self: PrefixCachingBlockManager, seq, num_computed_tokens: int):
-    "Register `seq`'s blocks that are full and computed after this step; keep an existing entry for a hash."
-    self._check_live(seq)
-    bs = self.block_size
-    n = min(num_computed_tokens, seq.num_tokens, len(seq.block_table)*bs)//bs
-    start = self._num_hashed.get(seq.seq_id, 0)
-    if n <= start: return
-    hs, registry = compute_block_hashes(seq, bs, n), self.hash_to_block
+def _register(self: PrefixCachingBlockManager, g, table, hs, start, n):
+    "Register group `g`'s blocks `start..n-1` of `table` under `hs`; keep an existing entry for a hash."
+    registry = self.registries[g]
     for i in range(start, n):
-        blk = self.blocks[seq.block_table[i]]
+        if table[i] == self.null_block: continue
+        blk = self.blocks[table[i]]
         if blk.block_hash is None and hs[i] not in registry:
-            registry[hs[i]] = blk.block_id
-            blk.block_hash = hs[i]
+            registry[hs[i]], blk.block_hash, blk.group = blk.block_id, hs[i], g
         # else: registered already (a hit, or shared by fork), or another block holds the same prefix
-    self._num_hashed[seq.seq_id] = n
+
+@patch
+def cache_blocks(self: PrefixCachingBlockManager, seq, num_computed_tokens: int):
+    "Register `seq`'s blocks that are full and computed after this step, in every group."
+    self._check_live(seq)
+    bs, tables = self.block_size, self._tables(seq)
+    done = self._num_hashed.setdefault(seq.seq_id, [0]*len(tables))
+    n = min(num_computed_tokens, seq.num_tokens, len(tables[0])*bs)//bs
+    if n <= min(done): return
+    hs = compute_block_hashes(seq, bs, n)
+    for g, table in enumerate(tables):
+        self._register(g, table, hs, done[g], n)
+        done[g] = max(done[g], n)
 
 # %% ../nbs/03_prefix_cache.ipynb #9af9f981
 @patch
@@ -177,7 +206,7 @@ def deallocate(self: PrefixCachingBlockManager, seq):
 def fork(self: PrefixCachingBlockManager, parent, child):
     "`BlockManager.fork`; the child's shared blocks are registered already."
     BlockManager.fork(self, parent, child)
-    self._num_hashed[child.seq_id] = self._num_hashed.get(parent.seq_id, 0)
+    self._num_hashed[child.seq_id] = list(self._num_hashed.get(parent.seq_id, [0]*len(self.windows)))
 
 # %% ../nbs/03_prefix_cache.ipynb #339beebe
 @patch
@@ -187,18 +216,24 @@ def _needs_copy(self: PrefixCachingBlockManager, blk) -> bool:
 
 # %% ../nbs/03_prefix_cache.ipynb #9c80801d
 @patch
+def _unregister_partial(self: PrefixCachingBlockManager, g, table, num_tokens):
+    "Un-register group `g`'s last block if `num_tokens` leaves it partly filled and no one shares it."
+    bs, full = self.block_size, num_tokens//self.block_size
+    if not num_tokens % bs or len(table) != full + 1 or table[-1] == self.null_block: return
+    blk = self.blocks[table[-1]]
+    if blk.block_hash is not None and blk.ref_count == 1:
+        del self.registries[g][blk.block_hash]
+        blk.block_hash = None
+
+@patch
 def trim(self: PrefixCachingBlockManager, seq, num_tokens: int):
     "`BlockManager.trim`; drop hashes past `num_tokens`, un-register a partly filled block no one shares."
     BlockManager.trim(self, seq, num_tokens)
-    bs, full = self.block_size, num_tokens//self.block_size
+    full = num_tokens//self.block_size
     del seq.block_hashes[full:]
     if seq.seq_id in self._num_hashed:
-        self._num_hashed[seq.seq_id] = min(self._num_hashed[seq.seq_id], full)
-    if num_tokens % bs and len(seq.block_table) == full + 1:
-        blk = self.blocks[seq.block_table[-1]]
-        if blk.block_hash is not None and blk.ref_count == 1:
-            del self.hash_to_block[blk.block_hash]
-            blk.block_hash = None
+        self._num_hashed[seq.seq_id] = [min(d, full) for d in self._num_hashed[seq.seq_id]]
+    for g, table in enumerate(self._tables(seq)): self._unregister_partial(g, table, num_tokens)
 
 # %% ../nbs/03_prefix_cache.ipynb #d2e8d74f
 @patch
@@ -216,24 +251,49 @@ def check_invariants(self: PrefixCachingBlockManager, seqs=None):
     "`BlockManager.check_invariants`, plus: one registered block per hash and back, cached-free ones hashed."
     BlockManager.check_invariants(self, seqs)
     hashed = [b for b in self.blocks if b.block_hash is not None]
-    registry = self.hash_to_block
-    n, m = len(hashed), len(registry)
+    n, m = len(hashed), sum(len(r) for r in self.registries)
     assert n == m, f"{n} blocks hold a hash but {m} are registered"
-    for h, bid in registry.items():
-        assert self.blocks[bid].block_hash == h, \
-            f"hash {h.hex()[:12]} is registered to block {bid}, which holds another hash"
+    for g, registry in enumerate(self.registries):
+        for h, bid in registry.items():
+            b = self.blocks[bid]
+            assert b.block_hash == h and b.group == g, \
+                f"hash {h.hex()[:12]} is registered to block {bid} of group {g}, which holds another hash"
     for bid in self.cached_free:
         assert self.blocks[bid].block_hash is not None, f"cached-free block {bid} holds no hash"
     kept = set(self._num_hashed) - set(self.seqs)
     assert not kept, f"bookkeeping kept for freed sequences {kept}"
     return True
 
+# %% ../nbs/03_prefix_cache.ipynb #pc-window-hit
+@patch
+def _window_hit(self: PrefixCachingBlockManager, g, hashes, cap) -> list:
+    "Group `g`'s longest hit of at most `cap` blocks: the blocks of the window before it cached, the rest null."
+    w, registry, bs = self.windows[g], self.registries[g], self.block_size
+    need, run = -(-(w - 1)//bs), 0                     # blocks holding the w - 1 tokens before the hit point
+    if need == 0: return [self.null_block]*cap
+    for i in range(cap - 1, -1, -1):
+        run = run + 1 if hashes[i] in registry else 0
+        if run == need: return [self.null_block]*i + [registry[h] for h in hashes[i:i + need]]
+    return [registry[h] for h in hashes[:run]]          # no full window: the cached run from the start
+
+# %% ../nbs/03_prefix_cache.ipynb #pc-hybrid-hit
+@patch
+def _hybrid_hit(self: PrefixCachingBlockManager, seq, hashes, n) -> list:
+    "Each group's hit at the longest length every group can serve (one list per group)."
+    alone = [len(self._group_hit(g, hashes, n)) for g in range(len(self.windows))]
+    seq.group_hit_tokens = [a*self.block_size for a in alone]   # for the statistics, on admission
+    cap = min(alone)
+    while True:
+        cols = [self._group_hit(g, hashes, cap) for g in range(len(self.windows))]
+        if min(len(c) for c in cols) == cap: return cols
+        cap = min(len(c) for c in cols)
+
 # %% ../nbs/03_prefix_cache.ipynb #1a60c786
 def make_block_manager(num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
-                       watermark: float = 0.01) -> BlockManager:
+                       watermark: float = 0.01, windows=(None,)) -> BlockManager:
     "A `PrefixCachingBlockManager` or a plain `BlockManager`, as vLLM's `enable_prefix_caching` chooses."
     cls = PrefixCachingBlockManager if enable_prefix_caching else BlockManager
-    return cls(num_blocks, block_size, watermark)
+    return cls(num_blocks, block_size, watermark, windows)
 
 # %% ../nbs/03_prefix_cache.ipynb #3ff579d3
 def _replay_running(bm, running, waiting, budget):

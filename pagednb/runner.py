@@ -6,13 +6,14 @@ Docs: https://pagednb.github.io/pagednb/runner.html.md"""
 
 # %% auto #0
 __all__ = ['GRAPH_BATCH_SIZES', 'GiB', 'StepInputs', 'attention_path', 'cpu_kernel_order', 'block_table_tensor', 'token_slots',
-           'BlockTables', 'decode_inputs', 'PagedAttentionBackend', 'KVPrefetcher', 'ModelRunner', 'graph_bucket',
-           'StaticDecodeInputs', 'DecodeGraphs', 'record_cuda_graph', 'model_bytes', 'GPUMemory', 'gpu_kv_budget',
-           'profile_gpu_memory', 'kv_budget', 'num_kv_blocks', 'kv_line']
+           'BlockTables', 'decode_inputs', 'layer_views', 'PagedAttentionBackend', 'KVPrefetcher', 'ModelRunner',
+           'graph_bucket', 'StaticDecodeInputs', 'DecodeGraphs', 'record_cuda_graph', 'model_bytes', 'GPUMemory',
+           'gpu_kv_budget', 'profile_gpu_memory', 'kv_budget', 'num_kv_blocks', 'kv_line']
 
 # %% ../nbs/06_runner.ipynb #ed8c50dc
 import functools, itertools, math, os, threading, time, weakref
 from dataclasses import dataclass
+from types import SimpleNamespace
 import torch
 from fastcore.basics import patch
 from .model import NoCacheAttention
@@ -20,6 +21,7 @@ from .block_manager import kv_cache_shape, compute_slot_mapping
 from .attention import store_kv, paged_attention, default_backend, TorchAttentionPlan
 from .kv_cache import kv_bytes_per_token
 from .engine_args import check_knob
+from .hybrid_kv import kv_cache_groups, layer_slots
 from .cpu_ops import fuse_for_cpu, can_pack, pack_linears, hoist_attributes, PACK_MIN_NUMEL
 from .cpu_attention import zeros_huge_pages, populate, cpu_kernel_supports, KernelStep
 
@@ -35,6 +37,13 @@ class StepInputs:
     query_start_loc: torch.Tensor
     max_query_len: int = None
     max_seq_len: int = None
+    groups: list | None = None          # with several KV-cache groups: each one's (block_tables, slot_mapping)
+
+# %% ../nbs/06_runner.ipynb #step-group
+@patch
+def group(self: StepInputs, g: int) -> tuple:
+    "KV-cache group `g`'s `(block_tables, slot_mapping)`; the step's own for a model with one group."
+    return (self.block_tables, self.slot_mapping) if self.groups is None else self.groups[g]
 
 # %% ../nbs/06_runner.ipynb #e40a8ce7
 def attention_path(backend, query, k_cache) -> str:
@@ -99,14 +108,15 @@ def _sync(self: BlockTables, seq_id, table) -> int:
 
 # %% ../nbs/06_runner.ipynb #ff704330
 @patch
-def gather(self: BlockTables, seqs) -> torch.Tensor:
-    "The block tables of `seqs` (in order) as `[len(seqs), longest]` int32, zero-padded; others' rows are let go."
-    rows = [self._sync(s.seq_id, s.block_table) for s in seqs]
+def gather(self: BlockTables, seqs, group: int = 0) -> torch.Tensor:
+    "KV-cache group `group`'s tables of `seqs` as `[len(seqs), longest]` int32, zero-padded; others' rows let go."
+    tables = [s.block_table if group == 0 else s.block_tables[group] for s in seqs]
+    rows = [self._sync(s.seq_id, t) for s, t in zip(seqs, tables)]
     for gone in self.held.keys() - {s.seq_id for s in seqs}:
         r, _ = self.held.pop(gone)
         self.buf[r] = 0                                           # padding again, for the row's next owner
         self.free.append(r)
-    width = max(len(s.block_table) for s in seqs)
+    width = max(len(t) for t in tables)
     return self.buf[:, :width][torch.tensor(rows)]                # a new, contiguous tensor
 
 # %% ../nbs/06_runner.ipynb #6135139c
@@ -128,40 +138,65 @@ def _cpu_ready(q, k, v, kc, num_tokens):
     return same and sized and q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
 
 # %% ../nbs/06_runner.ipynb #e5f05d9f
+def _default_attention(scale):
+    "A layer that attends to every earlier token, scores scaled by `scale`, uncapped."
+    return SimpleNamespace(window=None, softcap=None, scale=scale)
+
+def _kernel_kwargs(spec) -> dict:
+    "The keywords a kernel call needs for a layer's window and soft cap (none for plain attention)."
+    kw = dict(sliding_window=spec.window, softcap=spec.softcap)
+    return {k: v for k, v in kw.items() if v is not None}
+
+def layer_views(kv_cache, specs, groups) -> list:
+    "Each model layer's `(k_cache, v_cache, group, attention spec, kernel keywords)` over the grouped cache."
+    slots = layer_slots(groups)
+    return [(kv_cache[0, j], kv_cache[1, j], g, specs[l], _kernel_kwargs(specs[l])) for l, (g, j) in sorted(slots.items())]
+
+# %% ../nbs/06_runner.ipynb #paged-backend
 class PagedAttentionBackend:
     "Attention over the paged cache: K/V stored at the step's slots, read through its block tables."
-    def __init__(self, kv_cache, scale, backend=None):
+    def __init__(self, kv_cache, scale, backend=None, specs=None, groups=None):
         self.kv, self.scale, self.backend = kv_cache, scale, backend
-        self.layers = list(zip(kv_cache[0], kv_cache[1]))             # each layer's (k_cache, v_cache), once
-        self.inputs = self.path = self.plan = self._step = self.kernel = None
+        groups = groups or kv_cache_groups([None]*kv_cache.shape[1])
+        specs = specs or [_default_attention(scale)]*kv_cache.shape[1]
+        self.layers = layer_views(kv_cache, specs, groups)             # each layer's cache views, once
+        self.inputs = self.path = self._step = None
+        self.plans, self.kernels = {}, {}
 
 # %% ../nbs/06_runner.ipynb #1e1c5268
 @patch
 def _prepare(self: PagedAttentionBackend, x, q, kc):
-    "On a step's first layer: pick its path, and check its metadata once rather than in every layer."
+    "On a step's first layer: pick its path; each group's metadata is checked on its first layer."
     backend = self.backend or default_backend(kc.device)
-    self._step, self.path, self.plan = x, attention_path(backend, q, kc), None
-    if backend == "torch":
-        self.plan = TorchAttentionPlan(x.block_tables, x.seq_lens, x.query_start_loc, kc.shape[0],
-                                       kc.shape[1], x.input_ids.shape[0])
+    self._step, self.path, self._torch = x, attention_path(backend, q, kc), backend == "torch"
+    self.plans, self.kernels = {}, {}
+    self._order = cpu_kernel_order(x.seq_lens, x.query_start_loc) if self.path == "cpu" else None
+
+@patch
+def _prepare_group(self: PagedAttentionBackend, x, g, kc, scale):
+    "Group `g`'s plan of the torch path and kernel step of the C++ path, once a step."
+    bt, slots = x.group(g)
+    if self._torch:
+        self.plans[g] = TorchAttentionPlan(bt, x.seq_lens, x.query_start_loc, kc.shape[0], kc.shape[1],
+                                           x.input_ids.shape[0])
     if self.path == "cpu":
-        order = cpu_kernel_order(x.seq_lens, x.query_start_loc)
-        self.kernel = KernelStep(kc, x.block_tables, x.seq_lens, x.query_start_loc, x.slot_mapping,
-                                 self.scale, seqs=order)
+        self.kernels[g] = KernelStep(kc, bt, x.seq_lens, x.query_start_loc, slots, scale, seqs=self._order)
 
 # %% ../nbs/06_runner.ipynb #e659d5db
 @patch
 def __call__(self: PagedAttentionBackend, layer, q, k, v):
-    "Store layer `layer`'s K/V at the step's slots, then attend through its block tables."
-    x, (kc, vc) = self.inputs, self.layers[layer]
+    "Store layer `layer`'s K/V at its group's slots, then attend through that group's block tables."
+    x, (kc, vc, g, spec, kw) = self.inputs, self.layers[layer]
     if self._step is not x: self._prepare(x, q, kc)
+    if g not in self.plans and g not in self.kernels: self._prepare_group(x, g, kc, spec.scale)
     if self.path == "cpu" and _cpu_ready(q, k, v, kc, x.input_ids.shape[0]):
-        self.kernel.store_kv(k, v, kc, vc)
-        return self.kernel.attend(q, kc, vc)
-    store_kv(k, v, kc, vc, x.slot_mapping, backend=self.backend)
-    return paged_attention(q, kc, vc, x.block_tables, x.seq_lens, x.query_start_loc, self.scale,
-                           backend=self.backend, max_query_len=x.max_query_len, max_seq_len=x.max_seq_len,
-                           plan=self.plan)
+        kernel = self.kernels[g]
+        kernel.store_kv(k, v, kc, vc)
+        return kernel.attend(q, kc, vc, **kw)
+    bt, slots = x.group(g)
+    store_kv(k, v, kc, vc, slots, backend=self.backend)
+    return paged_attention(q, kc, vc, bt, x.seq_lens, x.query_start_loc, spec.scale, backend=self.backend,
+                           max_query_len=x.max_query_len, max_seq_len=x.max_seq_len, plan=self.plans.get(g), **kw)
 
 # %% ../nbs/06_runner.ipynb #2f18e467
 class KVPrefetcher:
@@ -225,10 +260,16 @@ def stop(self: KVPrefetcher):
     self.thread.join()
     self.planes = None
 
+# %% ../nbs/06_runner.ipynb #layer-attention
+def _layer_attention(cfg, layer):
+    "How layer `layer` of a model attends: its window, soft cap and score scale (`01_model`)."
+    spec = getattr(cfg, "layer_attention", None)
+    return spec(layer) if spec is not None else _default_attention(cfg.head_dim**-0.5)
+
 # %% ../nbs/06_runner.ipynb #e8e2f433
 class ModelRunner:
     "Runs the model over the paged KV cache for a step plan."
-    def __init__(self, model, num_blocks, block_size, attention_backend=None, pack_weights=None):
+    def __init__(self, model, num_blocks, block_size, attention_backend=None, pack_weights=None, groups=None):
         c, w = model.config, model.lm_head.weight
         self.model, self.block_size, self.device = model, block_size, w.device
         if pack_weights is None:
@@ -237,20 +278,33 @@ class ModelRunner:
         self.packed = pack_linears(model, PACK_MIN_NUMEL) if pack_weights else 0   # CPU: oneDNN-packed (04b)
         hoist_attributes(model)                                    # no `Module.__getattr__` per step (04b)
         pages = kv_cache_shape(num_blocks, block_size, c.num_key_value_heads, c.head_dim)
-        shape = (2, c.num_hidden_layers) + pages
+        self.groups = groups or kv_cache_groups([None]*c.num_hidden_layers)   # `03a_hybrid_kv`
+        shape = (2, len(self.groups[0].layers)) + pages
         on_cpu = w.device.type == "cpu"
         if on_cpu: self.kv_cache = zeros_huge_pages(shape, w.dtype)
         else: self.kv_cache = torch.zeros(shape, dtype=w.dtype, device=w.device)
-        self.attn = PagedAttentionBackend(self.kv_cache, c.head_dim**-0.5, attention_backend)
-        self.tables = BlockTables()                                # block tables kept across steps
+        specs = [_layer_attention(c, l) for l in range(c.num_hidden_layers)]
+        self.attn = PagedAttentionBackend(self.kv_cache, c.head_dim**-0.5, attention_backend, specs, self.groups)
+        self.tables = [BlockTables() for _ in self.groups]         # block tables kept across steps, per group
         self.prefetch = KVPrefetcher(self.kv_cache) if on_cpu else None
         self.graphs = None                                         # decode graphs, on a GPU (below)
 
 # %% ../nbs/06_runner.ipynb #bc05bfa2
 @patch
+def _group_inputs(self: ModelRunner, seqs, rows, pos) -> list | None:
+    "With several KV-cache groups: every group's `(block_tables, slot_mapping)` of the step (None with one)."
+    if len(self.groups) == 1: return None
+    out = []
+    for g, tables in enumerate(self.tables):
+        bt = tables.gather(seqs, g)
+        out.append((bt.to(self.device), token_slots(bt, rows, pos, self.block_size).to(self.device)))
+    return out
+
+@patch
 def batch_inputs(self: ModelRunner, plan) -> StepInputs:
     "`prepare_inputs` for any plan: prefill chunks, decodes and drafts of many tokens each."
     sch, dev, bs = plan.scheduled, self.device, self.block_size
+    seqs = [s.seq for s in sch]
     n = torch.tensor([s.num_new_tokens for s in sch])
     start = torch.tensor([s.start for s in sch])
     ids = list(itertools.chain.from_iterable(s.input_ids for s in sch))
@@ -258,11 +312,11 @@ def batch_inputs(self: ModelRunner, plan) -> StepInputs:
     qsl[1:] = n.cumsum(0)
     row = torch.repeat_interleave(torch.arange(len(sch)), n)
     pos = start[row] + torch.arange(len(ids)) - qsl[:-1].long()[row]
-    bt = self.tables.gather([s.seq for s in sch])
+    bt = self.tables[0].gather(seqs)
     slots = token_slots(bt, row, pos, bs)
     lens = (start + n).to(torch.int32)
-    return StepInputs(torch.tensor(ids, device=dev), pos.to(dev), slots.to(dev), bt.to(dev),
-                      lens.to(dev), qsl.to(dev), int(n.max()), int((start + n).max()))
+    return StepInputs(torch.tensor(ids, device=dev), pos.to(dev), slots.to(dev), bt.to(dev), lens.to(dev),
+                      qsl.to(dev), int(n.max()), int((start + n).max()), self._group_inputs(seqs, row, pos))
 
 # %% ../nbs/06_runner.ipynb #3dbaee86
 @patch
@@ -270,8 +324,11 @@ def prepare_inputs(self: ModelRunner, plan) -> StepInputs:
     "Flat `input_ids`, `positions`, `slot_mapping`, `block_tables`, `seq_lens`, `query_start_loc` for a plan."
     sch = plan.scheduled
     if any(s.num_new_tokens != 1 for s in sch): return self.batch_inputs(plan)
-    tables, tokens = self.tables.gather([s.seq for s in sch]), [s.seq.token_ids[s.start] for s in sch]
-    return decode_inputs(tables, tokens, [s.start for s in sch], self.block_size, self.device)
+    seqs, pos = [s.seq for s in sch], [s.start for s in sch]
+    tables, tokens = self.tables[0].gather(seqs), [s.seq.token_ids[s.start] for s in sch]
+    x = decode_inputs(tables, tokens, pos, self.block_size, self.device)
+    x.groups = self._group_inputs(seqs, torch.arange(len(sch)), torch.tensor(pos))
+    return x
 
 # %% ../nbs/06_runner.ipynb #c786485c
 @patch
@@ -281,7 +338,8 @@ def execute(self: ModelRunner, plan):
     for src, dst in plan.copies:
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
     x = self.prepare_inputs(plan)
-    if self.prefetch: self.prefetch.need(int(x.block_tables.max()))
+    tables = [x.group(g)[0] for g in range(len(self.groups))]
+    if self.prefetch: self.prefetch.need(max(int(t.max()) for t in tables))
     self.attn.inputs = self.last_inputs = x
     hidden = self.graphs.run(x) if self.graphs else None
     return self.model(x.input_ids, x.positions, self.attn) if hidden is None else hidden
@@ -299,7 +357,7 @@ def release(self: ModelRunner):
     "Drop the KV cache and the model, so that their memory goes back at once."
     if self.prefetch: self.prefetch.stop()
     self.kv_cache = self.attn.kv = self.attn.inputs = self.last_inputs = self.model = None
-    self.attn.layers = self.attn.kernel = None
+    self.attn.layers, self.attn.kernels = None, {}
 
 # %% ../nbs/06_runner.ipynb #620e0165
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -391,7 +449,7 @@ def run(self: DecodeGraphs, x: StepInputs):
 @patch
 def enable_graphs(self: ModelRunner, sizes, max_model_len) -> int:
     "Capture decode graphs for batch sizes `sizes` on a CUDA device; returns how many (0 elsewhere)."
-    if self.device.type != "cuda" or not sizes: return 0
+    if self.device.type != "cuda" or not sizes or len(self.groups) > 1: return 0   # one KV-cache group only
     max_blocks = -(-max_model_len // self.block_size)
     self.graphs = DecodeGraphs(self.model, self.attn, sizes, max_blocks, max_model_len, self.device)
     self.graphs.capture()
@@ -483,16 +541,17 @@ def _check_sizing(gpu_memory_utilization, kv_cache_memory_bytes, num_gpu_blocks_
 
 # %% ../nbs/06_runner.ipynb #fc8ea9af
 def num_kv_blocks(model, block_size, max_model_len, max_num_batched_tokens, gpu_memory_utilization=0.9,
-                  kv_cache_memory_bytes=None, num_gpu_blocks_override=None):
-    "Number of KV pages for this model and device, and the bytes of one page."
+                  kv_cache_memory_bytes=None, num_gpu_blocks_override=None, layers_per_block=None, need_blocks=None):
+    "Number of KV pages for this model and device, and the bytes of one page (of `layers_per_block` layers)."
     c, w = model.config, model.lm_head.weight
-    block_bytes = kv_bytes_per_token(c, w.element_size())*block_size
+    per_layer = kv_bytes_per_token(c, w.element_size())//c.num_hidden_layers
+    block_bytes = per_layer*(layers_per_block or c.num_hidden_layers)*block_size
     _check_sizing(gpu_memory_utilization, kv_cache_memory_bytes, num_gpu_blocks_override)
     n = num_gpu_blocks_override
     if n is None:
         budget = kv_budget(model, max_num_batched_tokens, gpu_memory_utilization, kv_cache_memory_bytes)
         n = budget//block_bytes
-    need = -(-max_model_len//block_size)
+    need = need_blocks or -(-max_model_len//block_size)     # a hybrid model's count comes from `03a_hybrid_kv`
     if n < need:
         raise ValueError(f"the KV cache has room for {n} blocks of {block_size} tokens ({n*block_size} "
                          f"tokens), fewer than one sequence of max_model_len={max_model_len} needs ({need} "
@@ -502,9 +561,11 @@ def num_kv_blocks(model, block_size, max_model_len, max_num_batched_tokens, gpu_
     return n, block_bytes
 
 # %% ../nbs/06_runner.ipynb #kv-line
-def kv_line(num_blocks, block_size, block_bytes, max_model_len) -> str:
+def kv_line(num_blocks, block_size, block_bytes, max_model_len, concurrency=None, groups=None) -> str:
     "The engine's start-up line: the KV cache in blocks, tokens and GiB, and the concurrency it allows."
     tokens = num_blocks*block_size
     size = f"{num_blocks*block_bytes/GiB:.2f} GiB"
-    return (f"KV cache: {num_blocks} blocks × {block_size} tokens = {tokens} tokens ({size}); "
-            f"max concurrency at max_model_len: {tokens/max_model_len:.2f}")
+    concurrency = tokens/max_model_len if concurrency is None else concurrency
+    where = f" in {groups}" if groups else ""
+    return (f"KV cache: {num_blocks} blocks × {block_size} tokens = {tokens} tokens ({size}){where}; "
+            f"max concurrency at max_model_len: {concurrency:.2f}")

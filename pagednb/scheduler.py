@@ -79,6 +79,7 @@ class StepPlan:
     copies: list = field(default_factory=list)          # (src, dst) copy-on-write block pairs
     token_budget: int = 0
     new_tokens: dict = field(default_factory=dict)      # seq id -> tokens `commit` appended
+    window_freed: dict = field(default_factory=dict)    # seq id -> blocks its sliding windows left
     finished: dict = field(default_factory=dict)        # seq id -> finish reason, set by `commit`
 
 # %% ../nbs/05_scheduler.ipynb #e211885e
@@ -260,6 +261,8 @@ def update(self: Scheduler, plan: StepPlan, computed=None):
         n = (computed or {}).get(s.seq.seq_id, s.start + s.num_new_tokens)
         s.seq.num_computed_tokens = min(n, s.seq.num_tokens)
         self.bm.cache_blocks(s.seq, s.seq.num_computed_tokens)
+        freed = self.bm.free_skipped(s.seq)               # blocks no window needs any more (`03a_hybrid_kv`)
+        if freed: plan.window_freed[s.seq.seq_id] = freed
         if s.seq.num_computed_tokens == s.seq.num_tokens:
             ready.append(s.seq)
     return ready
