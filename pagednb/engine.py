@@ -15,7 +15,7 @@ import torch
 from fastcore.basics import patch
 from tokenizers import decoders
 from transformers import AutoTokenizer
-from .model import load_model, generation_defaults
+from .model import load_model, generation_defaults, NoCacheAttention
 from .prefix_cache import make_block_manager
 from .scheduler import Scheduler, Sequence, SequenceStatus
 from .sampling import SamplingParams, CompletionOutput, RequestOutput, RequestMetrics, sample
@@ -625,10 +625,11 @@ def _isolate(self: LLMEngine, plan, err):
     groups = {}
     for sc in plan.scheduled: groups.setdefault(sc.seq.request.request_id, []).append(sc)
     bad = {rid: err for rid in groups} if len(groups) == 1 else self._culprits(plan, groups)
-    self._failures = self._failures + 1 if len(bad) == len(groups) else 0
     for rid, e in bad.items(): self._fail_request(rid, e)
+    blameless = not bad or (len(bad) == len(groups) and not self._model_works())
+    self._failures = self._failures + 1 if blameless else 0
     if self._failures >= 3:
-        self.dead = f"every request failed in 3 steps in a row; the last error: {type(err).__name__}: {err}"
+        self.dead = f"3 steps in a row failed with no request to blame; the last error: {type(err).__name__}: {err}"
         raise EngineDeadError(self.dead) from err
 
 @patch
@@ -644,6 +645,16 @@ def _culprits(self: LLMEngine, plan, groups):
         except Exception as e: bad[rid] = e
         finally: saved.restore()
     return bad
+
+# %% ../nbs/06b_engine.ipynb #model-works
+@patch
+def _model_works(self: LLMEngine) -> bool:
+    "Does the model still run a forward? A one-token probe outside the paged cache: if not, the engine is to blame."
+    ids = torch.zeros(1, dtype=torch.long, device=self.runner.device)
+    try:
+        with torch.inference_mode(): self.model(ids, ids, NoCacheAttention([1]))
+        return True
+    except Exception: return False
 
 # %% ../nbs/06b_engine.ipynb #a92e219f
 @patch
@@ -734,17 +745,30 @@ def reset_prefix_cache(self: LLM) -> bool:
     return not bm.hash_to_block
 
 # %% ../nbs/06b_engine.ipynb #fd2b3182
+def _as_prompts(prompts) -> list:
+    "A batch of prompts as a list: one string, dict or token-id list alone, or numpy/torch arrays as token ids."
+    if hasattr(prompts, "tolist") and not isinstance(prompts, (str, dict, list, tuple)): prompts = prompts.tolist()
+    if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)): return [prompts]
+    return [p.tolist() if hasattr(p, "tolist") and not isinstance(p, (str, dict, list)) else p for p in prompts]
+
+def _as_params(sp, default):
+    "One request's `SamplingParams`: given, the defaults for None, or made from a dict of its fields."
+    if sp is None: return default
+    if isinstance(sp, dict): return SamplingParams(**sp)
+    if isinstance(sp, SamplingParams): return sp
+    raise TypeError(f"sampling_params must be a SamplingParams, a dict of its fields, a list of them, or None; "
+                    f"got {type(sp).__name__}")
+
+# %% ../nbs/06b_engine.ipynb #add-all
 @patch
 def _add_all(self: LLM, prompts, sampling_params, output_kind=None):
     "Validate the whole batch, then queue it (with `output_kind`, if given): a bad one queues nothing."
-    if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)): prompts = [prompts]
-    one = isinstance(sampling_params, SamplingParams)
-    default = sampling_params if one else self.get_default_sampling_params()
-    sps = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [default]*len(prompts)
+    prompts = _as_prompts(prompts)
+    default = self.get_default_sampling_params()
+    many = isinstance(sampling_params, (list, tuple))
+    sps = [_as_params(sp, default) for sp in sampling_params] if many else [_as_params(sampling_params, default)]*len(prompts)
     if len(sps) != len(prompts):
-        raise ValueError(f"got {len(sps)} SamplingParams for {len(prompts)} prompts: "
-                         f"give one, or one per prompt")
-    sps = [sp or default for sp in sps]
+        raise ValueError(f"got {len(sps)} SamplingParams for {len(prompts)} prompts: give one, or one per prompt")
     if output_kind is not None: sps = [dataclasses.replace(sp, output_kind=output_kind) for sp in sps]
     checked = []
     for i, (p, sp) in enumerate(zip(prompts, sps)):
@@ -818,16 +842,35 @@ def generate(self: LLM, prompts, sampling_params=None, use_tqdm=True):
     return [done[i] for i in ids]
 
 # %% ../nbs/06b_engine.ipynb #943fa70b
+def _check_continuation(convs, continue_final_message):
+    "`continue_final_message` continues the assistant's last message: a conversation must end with one."
+    if not continue_final_message: return
+    for i, c in enumerate(convs):
+        role = c[-1].get("role") if c and isinstance(c[-1], dict) else None
+        if role != "assistant":
+            raise ValueError(f"conversation {i}: continue_final_message=True continues the last message, which must "
+                             f"be the assistant's; this one ends with a {role!r} message")
+
+@patch
+def _render(self: LLM, convs, **kw) -> list:
+    "Each conversation through the chat template; a template that fails names the conversation and the error."
+    out = []
+    for i, c in enumerate(convs):
+        try: out.append(self.engine.tokenizer.apply_chat_template(c, **kw))
+        except Exception as e: raise ValueError(f"conversation {i}: the chat template failed: {type(e).__name__}: {e}") from None
+    return out
+
+# %% ../nbs/06b_engine.ipynb #llm-chat
 @patch
 def chat(self: LLM, messages, sampling_params=None, use_tqdm=True, chat_template=None,
          add_generation_prompt=True, continue_final_message=False, chat_template_kwargs=None):
     "Apply the model's chat template to a conversation (a list of messages) or to each of a list; generate."
     convs = [messages] if messages and isinstance(messages[0], dict) else messages
-    tok = self.engine.tokenizer
-    kw = dict(chat_template=chat_template,
-              add_generation_prompt=add_generation_prompt and not continue_final_message,
+    _check_continuation(convs, continue_final_message)
+    kw = dict(chat_template=chat_template, add_generation_prompt=add_generation_prompt and not continue_final_message,
               continue_final_message=continue_final_message, tokenize=False, **(chat_template_kwargs or {}))
-    prompts = [tok.apply_chat_template(c, **kw) for c in convs]
+    prompts = self._render(convs, **kw)
+    tok = self.engine.tokenizer
     ids = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
     prompts = [{"prompt": p, "prompt_token_ids": i} for p, i in zip(prompts, ids)]
     return self.generate(prompts, sampling_params, use_tqdm)
@@ -867,10 +910,22 @@ def stream_deltas(out: RequestOutput, sent: dict, hold=0):
 # %% ../nbs/06b_engine.ipynb #d625c4a0
 @patch
 def stream(self: LLM, prompts, sampling_params=None):
-    "Generate, yielding a `StreamDelta` for each new piece of text of each request."
+    "Generate, yielding a `StreamDelta` for each new piece of text; an iterator dropped early stops its requests."
     ids = self._add_all(prompts, sampling_params)
     sent = {}
     reqs = [self.engine.requests[i] for i in ids]
     hold = {r.request_id: max([len(x) for x in r.params.stop] + [1]) - 1 for r in reqs}
-    while self.engine.has_unfinished_requests():
-        for out in self.engine.step(): yield from stream_deltas(out, sent, hold.get(out.request_id, 0))
+    try:
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step(): yield from stream_deltas(out, sent, hold.get(out.request_id, 0))
+    finally: self._stop_requests(ids)
+
+@patch
+def _stop_requests(self: LLM, ids):
+    "Abort those of `ids` still running, and let their pages go at once (not at the next step)."
+    e = self.engine
+    live = [rid for rid in ids if rid in e.requests]
+    if not live or e.dead: return
+    for rid in live: e.abort_request(rid)
+    e._apply_aborts()
+    e._drain_outputs()

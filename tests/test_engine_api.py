@@ -165,13 +165,27 @@ def test_a_request_that_fails_in_a_step_fails_alone(llm, monkeypatch):
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)] == alone
 
 def test_engine_that_fails_for_everyone_gives_up(parts, monkeypatch):
+    "The model itself fails (a one-token probe too): no request is to blame, and after 3 such steps the engine ends."
     llm = LLM(parts, log=False, max_model_len=256, kv_cache_memory_bytes=16 << 20)
-    monkeypatch.setattr(llm.engine.runner, "execute", lambda plan: (_ for _ in ()).throw(RuntimeError("device lost")))
+    lost = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("device lost"))
+    monkeypatch.setattr(type(llm.engine.model), "forward", lost)
     outs = []
     with pytest.raises(EngineDeadError, match="device lost"):
         for _ in range(3): outs += llm.generate([PROMPT], GREEDY, use_tqdm=False)
     assert [o.outputs[0].finish_reason for o in outs] == ["error", "error"]
     with pytest.raises(EngineDeadError): llm.engine.step()
+
+def test_a_bad_request_again_and_again_cannot_end_the_engine(llm, monkeypatch):
+    "A request that fails alone is blamed, not counted against the engine: ten in a row, and the next one runs."
+    real = E.process_logits
+    def flaky(logits, params, *a):
+        if any(p.seed == 666 for p in params): raise RuntimeError("boom")
+        return real(logits, params, *a)
+    monkeypatch.setattr(E, "process_logits", flaky)
+    bad = SamplingParams(temperature=0.7, seed=666, max_tokens=4, repetition_penalty=1.2)
+    for _ in range(10): assert llm.generate(PROMPT, bad, use_tqdm=False)[0].outputs[0].finish_reason == "error"
+    assert llm.engine.dead is None and llm.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert all_free(llm)
 
 def test_n_greater_than_one_rolls_back_its_forks(llm, monkeypatch):
     real, calls = E.sample, []
