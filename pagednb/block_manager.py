@@ -7,9 +7,9 @@ Docs: https://pagednb.github.io/pagednb/block_manager.html.md"""
 # %% auto #0
 __all__ = ['PALETTE', 'FREE_COLOR', 'CACHED_COLOR', 'kv_cache_shape', 'Sequence', 'Block', 'BlockManagerError',
            'NoFreeBlocksError', 'UnknownSequenceError', 'InvalidBlockError', 'check_block_size', 'check_windows',
-           'BlockManager', 'Allocation', 'compute_slot_mapping', 'memory_snapshot', 'seq_color', 'plot_memory_map',
-           'request_max_tokens', 'reserved_slots', 'kv_waste', 'requests_that_fit', 'simulate_admission',
-           'memory_waste_table', 'plot_memory_waste']
+           'BlockManager', 'Allocation', 'compute_slot_mapping', 'kv_slots', 'memory_snapshot', 'seq_color',
+           'plot_memory_map', 'request_max_tokens', 'reserved_slots', 'kv_waste', 'requests_that_fit',
+           'simulate_admission', 'memory_waste_table', 'plot_memory_waste']
 
 # %% ../nbs/02_block_manager.ipynb #d7b85da4
 import math, heapq
@@ -446,6 +446,17 @@ def free_skipped(self: BlockManager, seq) -> list[int]:
             self._release([table[i]])
             table[i] = self.null_block
     return freed
+
+# %% ../nbs/02_block_manager.ipynb #a40d5cef
+def kv_slots(bm, seqs) -> tuple:
+    "(token slots the sequences' blocks hold, slots holding a token) over every group, null blocks not counted."
+    bs, alloc, held = bm.block_size, 0, 0
+    for s in seqs:
+        for t in s.block_tables:
+            nulls = sum(1 for b in t if b == bm.null_block)
+            alloc += (len(t) - nulls)*bs
+            held += min(s.num_tokens, len(t)*bs) - nulls*bs
+    return alloc, held
 
 # %% ../nbs/02_block_manager.ipynb #3853be4f
 @patch

@@ -16,12 +16,13 @@ from fastcore.basics import patch
 from tokenizers import decoders
 from transformers import AutoTokenizer
 from .model import load_model, generation_defaults, NoCacheAttention
+from .block_manager import kv_slots
 from .prefix_cache import make_block_manager
 from .scheduler import Scheduler, Sequence, SequenceStatus
 from .sampling import SamplingParams, CompletionOutput, RequestOutput, RequestMetrics, sample
 from .sampling import process_logits, token_logprobs, RequestOutputKind
-from .runner import ModelRunner, num_kv_blocks, kv_line
-from .hybrid_kv import model_kv_groups, blocks_per_request, max_concurrency, describe_groups
+from .runner import ModelRunner, num_kv_blocks, grouped_kv_line
+from .hybrid_kv import model_kv_groups, need_blocks
 from .spec_decode import SpecDecoder
 from .engine_args import EngineArgs, engine_args, check_engine_runs, scheduler_config
 from .trace import Trace
@@ -126,18 +127,15 @@ def _num_blocks(self: LLMEngine, args, groups):
     "KV blocks and bytes per block: a block holds one group's layers; a request needs every group's blocks."
     c, bs = self.sched_config, args.block_size
     sizes = (args.gpu_memory_utilization, args.kv_cache_memory_bytes, args.num_gpu_blocks_override)
-    hybrid = len(groups) > 1 or groups[0].window is not None
-    need = blocks_per_request(groups, bs, c.max_model_len, c.max_num_batched_tokens) + 1 if hybrid else None
+    need = need_blocks(groups, bs, c.max_model_len, c.max_num_batched_tokens)
     return num_kv_blocks(self.model, bs, c.max_model_len, c.max_num_batched_tokens, *sizes,
                          layers_per_block=len(groups[0].layers), need_blocks=need)
 
 @patch
 def _kv_line(self: LLMEngine, num_blocks, block_bytes):
     "The start-up line; for a hybrid model, its groups and vLLM's concurrency over them."
-    c, bm, groups = self.sched_config, self.block_manager, self.kv_groups
-    if bm.null_block is None and len(groups) == 1: return kv_line(num_blocks, bm.block_size, block_bytes, c.max_model_len)
-    conc = max_concurrency(groups, num_blocks, bm.block_size, c.max_model_len, c.max_num_batched_tokens, bm.null_block)
-    return kv_line(num_blocks, bm.block_size, block_bytes, c.max_model_len, conc, describe_groups(groups))
+    c, bs = self.sched_config, self.block_manager.block_size
+    return grouped_kv_line(num_blocks, bs, block_bytes, c.max_model_len, c.max_num_batched_tokens, self.kv_groups)
 
 # %% ../nbs/06b_engine.ipynb #478988fd
 @patch
@@ -452,7 +450,7 @@ class StepResult:
 class StepSnapshot:
     "What a failed compute phase must put back: scheduled sizes and drafts, forks, generator states."
     def __init__(self, engine, plan):
-        self.engine, self.plan = engine, plan
+        self.plan = plan                                      # not the engine: the engine holds its snapshot
         self.seqs = [(sc, len(sc.seq.token_ids), sc.num_new_tokens, sc.kind, sc.seq.num_computed_tokens)
                      for sc in plan.scheduled]                # drafts are not in token_ids: lengths only
         own = [sc.seq.generator for sc in plan.scheduled if sc.seq.generator is not None]
@@ -460,16 +458,16 @@ class StepSnapshot:
         self.gens = [(g, g.get_state()) for g in gens]
         engine._forked = []
 
-    def restore(self):
-        "Put the plan's sequences, the generators and this step's forks back as they were."
+    def restore(self, engine):
+        "Put the plan's sequences, the generators and `engine`'s forks of this step back as they were."
         for sc, n, k, kind, computed in self.seqs:
             del sc.seq.token_ids[n:]
             sc.num_new_tokens, sc.kind, sc.seq.num_computed_tokens = k, kind, computed
             sc.draft_tokens = []
         for g, state in self.gens:
             g.set_state(state)
-        for child in self.engine._forked:
-            self.engine._unfork(child)
+        for child in engine._forked:
+            engine._unfork(child)
 
 # %% ../nbs/06b_engine.ipynb #8f071870
 @patch
@@ -621,7 +619,7 @@ def _account(self: LLMEngine, plan):
 @patch
 def _isolate(self: LLMEngine, plan, err):
     "After a failed step: put it back, run each request's part alone, fail those that raise; the others go on."
-    self._snapshot.restore()
+    self._snapshot.restore(self)
     groups = {}
     for sc in plan.scheduled: groups.setdefault(sc.seq.request.request_id, []).append(sc)
     bad = {rid: err for rid in groups} if len(groups) == 1 else self._culprits(plan, groups)
@@ -643,7 +641,7 @@ def _culprits(self: LLMEngine, plan, groups):
             drafts = self._propose(sub)
             self._sample(sub, self._execute(sub), drafts)
         except Exception as e: bad[rid] = e
-        finally: saved.restore()
+        finally: saved.restore(self)
     return bad
 
 # %% ../nbs/06b_engine.ipynb #model-works
@@ -698,10 +696,8 @@ def _drain_outputs(self: LLMEngine):
 @patch
 def get_metrics(self: LLMEngine):
     "KV usage and waste, prefix-cache hits, preemptions, token counts and throughput."
-    bm, bs = self.block_manager, self.block_manager.block_size
-    live = self.scheduler.running
-    alloc = sum(len(s.block_table) for s in live)*bs
-    held = sum(min(s.num_tokens, len(s.block_table)*bs) for s in live)
+    bm = self.block_manager
+    alloc, held = kv_slots(bm, self.scheduler.running)
     st = bm.prefix_cache_stats if getattr(bm, "enable_prefix_caching", False) else None
     busy = max(self.stats["busy_time"], 1e-9)
     return dict(kv_cache_usage=bm.usage, kv_cache_usage_peak=self.stats.get("kv_cache_usage_peak", 0.0),
@@ -709,6 +705,7 @@ def get_metrics(self: LLMEngine):
                 num_blocks=bm.num_blocks, num_free_blocks=bm.num_free_blocks,
                 prefix_cache_queries=st.queries if st else 0, prefix_cache_hits=st.hits if st else 0,
                 prefix_cache_hit_rate=st.hit_rate if st else 0.0,
+                **({"prefix_cache_hits_per_group": st.hits_per_group} if st and st.hits_per_group else {}),
                 num_preemptions=self.scheduler.num_preemptions,
                 num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
                 prompt_tokens=self.stats["prompt_tokens"], generation_tokens=self.stats["generation_tokens"],

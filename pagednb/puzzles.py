@@ -461,7 +461,7 @@ def _admit_spec(block_hashes, num_tokens, block_size, hash_to_block, free_blocks
     ids = list(hash_to_block.values()) + free_blocks + cached_free
     bm = _manager(PrefixCachingBlockManager, block_size, max(ids + [0]) + 1, free_blocks)
     for h, b in hash_to_block.items(): bm.blocks[b].block_hash = h
-    bm.hash_to_block = dict(hash_to_block)
+    bm.hash_to_block.update(hash_to_block)
     for b in cached_free: bm.blocks[b].ref_count = 0
     bm.cached_free = OrderedDict((b, None) for b in cached_free)
     bm._num_used = sum(1 for b in bm.blocks if b.ref_count)
@@ -516,6 +516,45 @@ register(Puzzle("prefix_lookup", "The longest cached prefix, and LRU eviction", 
                      free_blocks=[0], cached_free=[2, 1]),
                 dict(block_hashes=[b"p0"], num_tokens=6, block_size=4, hash_to_block={b"x0": 1, b"x1": 2},
                      free_blocks=[], cached_free=[2, 1])]))
+
+# %% ../nbs/12_puzzles.ipynb #3123a4ef
+def _window_spec(block_table, num_computed_tokens, window, block_size):
+    "The block table and the freed ids after `BlockManager.free_skipped` in a group of `window` tokens."
+    bm = BlockManager(max(block_table + [1]) + 1, block_size, watermark=0.0, windows=(window,))
+    held = [b for b in block_table if b != bm.null_block]
+    bm.free_block_ids = deque(b for b in range(1, bm.num_blocks) if b not in held)
+    for b in held: bm.blocks[b].ref_count = 1
+    bm._num_used = len(held)
+    seq = _seq_in(bm, block_table, num_computed_tokens, num_computed_tokens + 1)
+    return seq.block_table, bm.free_skipped(seq)
+
+# %% ../nbs/12_puzzles.ipynb #c8b8ef3a
+def _window_case(rng):
+    "A sequence part way through, some leading blocks already null, a window of 1 to 5 blocks' worth."
+    bs = rng.choice([1, 2, 4, 8, 16])
+    nc = rng.randint(0, 8*bs)
+    window = rng.randint(1, 5*bs)
+    held = -(-nc//bs) + (rng.random() < 0.3)
+    ids = rng.sample(range(1, 60), held)
+    done = min(held, max(0, rng.randint(0, nc) - window + 1)//bs)   # freed earlier, at a smaller count
+    return dict(block_table=[0]*done + ids[done:], num_computed_tokens=nc, window=window, block_size=bs)
+
+# %% ../nbs/12_puzzles.ipynb #1420285a
+register(Puzzle("window_free", "The blocks a sliding window frees", "03a_hybrid_kv",
+    "A layer with a sliding window of `window` tokens lets the query at position `p` see positions "
+    "`p - window + 1` to `p`. Once `num_computed_tokens` tokens are computed, the next query sits at position "
+    "`num_computed_tokens`, and no later query looks further back. Return the block table with every block that no "
+    "later query can see replaced by the null block `0`, and the ids freed, earliest first. Entries already `0` "
+    "stay `0` and are not freed again.",
+    'def window_free(block_table: list[int], num_computed_tokens: int, window: int,\n'
+    '                block_size: int) -> tuple[list[int], list[int]]:\n'
+    '    "(the block table with passed blocks nulled, the ids freed) for a sliding-window group."\n'
+    '    raise NotImplementedError',
+    spec=_window_spec, cases=_window_case,
+    edge_cases=[dict(block_table=[4, 7, 2], num_computed_tokens=9, window=4, block_size=4),
+                dict(block_table=[3, 5], num_computed_tokens=5, window=8, block_size=4),
+                dict(block_table=[0, 0, 6, 1], num_computed_tokens=4, window=1, block_size=1),
+                dict(block_table=[9, 8], num_computed_tokens=8, window=1, block_size=4)]))
 
 # %% ../nbs/12_puzzles.ipynb #4e7b317b
 def _scheduler(running, waiting, budget, max_num_seqs, block_size, num_free_blocks=None):

@@ -8,7 +8,7 @@ Docs: https://pagednb.github.io/pagednb/runner.html.md"""
 __all__ = ['GRAPH_BATCH_SIZES', 'GiB', 'StepInputs', 'attention_path', 'cpu_kernel_order', 'block_table_tensor', 'token_slots',
            'BlockTables', 'decode_inputs', 'layer_views', 'PagedAttentionBackend', 'KVPrefetcher', 'ModelRunner',
            'graph_bucket', 'StaticDecodeInputs', 'DecodeGraphs', 'record_cuda_graph', 'model_bytes', 'GPUMemory',
-           'gpu_kv_budget', 'profile_gpu_memory', 'kv_budget', 'num_kv_blocks', 'kv_line']
+           'gpu_kv_budget', 'profile_gpu_memory', 'kv_budget', 'num_kv_blocks', 'kv_line', 'grouped_kv_line']
 
 # %% ../nbs/06_runner.ipynb #ed8c50dc
 import functools, itertools, math, os, threading, time, weakref
@@ -21,7 +21,7 @@ from .block_manager import kv_cache_shape, compute_slot_mapping
 from .attention import store_kv, paged_attention, default_backend, TorchAttentionPlan
 from .kv_cache import kv_bytes_per_token
 from .engine_args import check_knob
-from .hybrid_kv import kv_cache_groups, layer_slots
+from .hybrid_kv import kv_cache_groups, layer_slots, is_hybrid, max_concurrency, describe_groups
 from .cpu_ops import fuse_for_cpu, can_pack, pack_linears, hoist_attributes, PACK_MIN_NUMEL
 from .cpu_attention import zeros_huge_pages, populate, cpu_kernel_supports, KernelStep
 
@@ -569,3 +569,10 @@ def kv_line(num_blocks, block_size, block_bytes, max_model_len, concurrency=None
     where = f" in {groups}" if groups else ""
     return (f"KV cache: {num_blocks} blocks × {block_size} tokens = {tokens} tokens ({size}){where}; "
             f"max concurrency at max_model_len: {concurrency:.2f}")
+
+# %% ../nbs/06_runner.ipynb #953fab45
+def grouped_kv_line(num_blocks, block_size, block_bytes, max_model_len, max_num_batched_tokens, groups) -> str:
+    "`kv_line` for any model: a hybrid one's groups and vLLM's concurrency over them (`03a_hybrid_kv`)."
+    if not is_hybrid(groups): return kv_line(num_blocks, block_size, block_bytes, max_model_len)
+    conc = max_concurrency(groups, num_blocks, block_size, max_model_len, max_num_batched_tokens, null_block=0)
+    return kv_line(num_blocks, block_size, block_bytes, max_model_len, conc, describe_groups(groups))

@@ -25,7 +25,8 @@ from .kv_cache import kv_bytes_per_token, sample_workload
 from .block_manager import kv_waste, memory_snapshot, plot_memory_map
 from .prefix_cache import make_block_manager
 from .scheduler import Scheduler, SchedulerConfig, Sequence, SequenceStatus
-from .runner import GPUMemory, gpu_kv_budget, num_kv_blocks, model_bytes, kv_line, GiB
+from .runner import GPUMemory, gpu_kv_budget, num_kv_blocks, model_bytes, grouped_kv_line, GiB
+from .hybrid_kv import model_kv_groups, need_blocks, max_concurrency, is_hybrid
 from .engine import LLMEngine
 from .engine_args import EngineArgs, engine_args, check_engine_runs, check_knob_names, knob_names
 from .engine_args import scheduler_config
@@ -211,6 +212,7 @@ class Simulator:
         self.cost = cost_model(device, self.dtype)
         self.shape = model_shape(self.config, DTYPES[self.dtype].itemsize)
         self.weight_bytes = num_params(self.config)*self.shape["dtype_bytes"]
+        self.kv_groups = model_kv_groups(self.config)                    # `03a_hybrid_kv`: one, unless windows
         self.sched_config = scheduler_config(self.args, self.config.max_position_embeddings)
         self._size()
         if self.args.log: print(self.memory_line + "\n" + self.kv_line, flush=True)
@@ -242,14 +244,17 @@ def _gpu_blocks(self: Simulator, block_bytes) -> int:
 @patch
 def _size(self: Simulator):
     "Weights, activations and KV blocks, by `runner.num_kv_blocks` (the engine's own checks and messages)."
-    a, c, b = self.args, self.sched_config, self.shape["dtype_bytes"]
-    bs, over = a.block_size, a.num_gpu_blocks_override
+    a, c, b, groups = self.args, self.sched_config, self.shape["dtype_bytes"], self.kv_groups
+    bs, over, per_block = a.block_size, a.num_gpu_blocks_override, len(groups[0].layers)
     stand_in = sizing_model(self.config, b, "cpu" if self.gpu is None else "cuda")
-    if self.gpu is not None and over is None: over = self._gpu_blocks(kv_bytes_per_token(self.config, b)*bs)
+    layer_bytes = kv_bytes_per_token(self.config, b)//self.config.num_hidden_layers
+    if self.gpu is not None and over is None: over = self._gpu_blocks(layer_bytes*per_block*bs)
     sizes = (a.gpu_memory_utilization, a.kv_cache_memory_bytes, over)
-    n, bb = num_kv_blocks(stand_in, bs, c.max_model_len, c.max_num_batched_tokens, *sizes)
+    need = need_blocks(groups, bs, c.max_model_len, c.max_num_batched_tokens)
+    n, bb = num_kv_blocks(stand_in, bs, c.max_model_len, c.max_num_batched_tokens, *sizes,
+                          layers_per_block=per_block, need_blocks=need)
     self.num_blocks, self.block_bytes = n, bb
-    self.kv_line = kv_line(n, bs, bb, c.max_model_len)
+    self.kv_line = grouped_kv_line(n, bs, bb, c.max_model_len, c.max_num_batched_tokens, groups)
     self.memory_line = self._memory_line()
 
 # %% ../nbs/09a_capacity.ipynb #sim-memory-line
@@ -271,7 +276,14 @@ def memory(self: Simulator) -> dict:
                 activations=act, kv_bytes=self.num_blocks*self.block_bytes, num_blocks=self.num_blocks,
                 block_size=bs, kv_tokens=self.num_blocks*bs,
                 kv_bytes_per_token=self.shape["kv_bytes_per_token"],
-                max_concurrency=self.num_blocks*bs/c.max_model_len)
+                max_concurrency=self._concurrency())
+
+@patch
+def _concurrency(self: Simulator) -> float:
+    "Requests of `max_model_len` the pool holds at once; by vLLM's count over the groups for a hybrid model."
+    c, bs, groups = self.sched_config, self.args.block_size, self.kv_groups
+    if not is_hybrid(groups): return self.num_blocks*bs/c.max_model_len
+    return max_concurrency(groups, self.num_blocks, bs, c.max_model_len, c.max_num_batched_tokens, null_block=0)
 
 # %% ../nbs/09a_capacity.ipynb #sim-fb644351
 @dataclass
@@ -378,7 +390,9 @@ class SimEngine:
     def __init__(self, sim):
         a = sim.args
         self.sim, self.sched_config, self.model_config = sim, sim.sched_config, sim.config
-        self.block_manager = make_block_manager(sim.num_blocks, a.block_size, a.enable_prefix_caching)
+        windows = [g.window for g in sim.kv_groups]
+        self.block_manager = make_block_manager(sim.num_blocks, a.block_size, a.enable_prefix_caching,
+                                                windows=windows)
         self.scheduler = Scheduler(self.sched_config, self.block_manager)
         self.tokenizer, self.on_step, self.spec, self.now = None, None, None, 0.0
         self.stats = dict(prompt_tokens=0, generation_tokens=0, steps=0, busy_time=0.0, kv_cache_usage_peak=0.0)

@@ -156,6 +156,13 @@ def _scheduled_entries(plan) -> list:
 
 def _ids_dict(d) -> dict: return {str(k): list(v) for k, v in d.items()}
 
+def _seq_entry(s) -> dict:
+    "A live sequence's block table, lengths and cached tokens; with several KV-cache groups, every table."
+    out = dict(table=list(s.block_table), tokens=s.num_tokens, computed=s.num_computed_tokens,
+               cached=s.num_cached_tokens)
+    if len(s.block_tables) > 1: out["tables"] = [list(t) for t in s.block_tables]
+    return out
+
 def _token_lists(sampled) -> dict:
     "Each sequence's sampled tokens as a list (a speculative step samples several)."
     return {str(k): (list(v) if isinstance(v, (list, tuple)) else [v]) for k, v in sampled.items()}
@@ -185,8 +192,7 @@ def record(self: Trace, engine, plan, sampled):
     for s in live + ran:
         self._learn(s, i)
     finished = [s.seq_id for s in ran if s not in sch.running and s not in sch.waiting]
-    seqs = {str(s.seq_id): dict(table=list(s.block_table), tokens=s.num_tokens, computed=s.num_computed_tokens,
-                                cached=s.num_cached_tokens) for s in live}
+    seqs = {str(s.seq_id): _seq_entry(s) for s in live}
     self.steps.append(dict(
         step=i, time=round(time.perf_counter() - self._t0, 4), budget=plan.token_budget,
         batched=plan.num_batched_tokens, scheduled=_scheduled_entries(plan), preempted=list(plan.preempted),

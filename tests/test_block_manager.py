@@ -194,6 +194,125 @@ TestPrefixCachingBlockManagerMachine = PrefixPoolMachine.TestCase
 TestPrefixCachingBlockManagerMachine.settings = SETTINGS
 
 
+# --- KV-cache groups: a block table per group over one pool, windows that free blocks as they pass ---
+
+WINDOWS = [(None, 3), (5, None), (2, 9, None), (4,)]
+
+
+def group_state(bm):
+    "Every group's tables and registries too: what a refused allocation must leave unchanged."
+    tables = {i: [list(t) for t in s.block_tables] for i, s in bm.seqs.items()}
+    regs = [dict(r) for r in getattr(bm, "registries", [])]
+    return state(bm), tables, regs
+
+
+class HybridPoolMachine(PoolMachine):
+    "The same rules on a manager with several KV-cache groups; after each compute, windows give blocks back."
+    PREFIX = False
+
+    @initialize(nb=st.integers(4, 40), bs=st.sampled_from([1, 2, 4]), windows=st.sampled_from(WINDOWS))
+    def init(self, nb, bs, windows):
+        self.bm = make_block_manager(nb, bs, enable_prefix_caching=self.PREFIX, watermark=0.0, windows=windows)
+        self.live, self.kv, self.next_id = {}, {}, 0
+
+    def _allocate(self, seq, n, hit=(), la=0):
+        bm, can = self.bm, self.bm.can_allocate(seq, n, hit, la)
+        before = group_state(bm)
+        try: alloc = bm.allocate(seq, n, hit, la)
+        except NoFreeBlocksError:
+            assert not can, "can_allocate said yes but allocate refused"
+            assert group_state(bm) == before, "a refused allocation changed the pool"
+            return None
+        need = seq.num_computed_tokens + n + la
+        assert all(len(t) * bm.block_size >= need for t in seq.block_tables)
+        return alloc
+
+    def _compute(self, seq, n, alloc, data):
+        "Write K/V at every group's slots, advance, register, give back what left each window."
+        bm, bs = self.bm, self.bm.block_size
+        for src, dst in alloc.copies:
+            for o in range(bs): self.kv[dst * bs + o] = self.kv.get(src * bs + o)
+        c, pids = seq.num_computed_tokens, prefix_ids(seq)
+        for g in range(len(bm.windows)):
+            for p, slot in zip(range(c, c + n), bm.slot_mapping(seq, c, c + n, group=g)):
+                self.kv[slot] = (pids[p], seq.cache_salt)
+        seq.num_computed_tokens += n
+        bm.cache_blocks(seq, seq.num_computed_tokens)
+        freed = bm.free_skipped(seq)
+        if freed: event("a window gave blocks back")
+        assert bm.null_block not in freed
+        if seq.num_computed_tokens == seq.num_tokens: seq.token_ids.append(data.draw(TOKENS))
+
+    def _earliest_trim(self, seq):
+        "The fewest tokens a trim may keep: the next query's window must still be held."
+        bs, out = self.bm.block_size, 1
+        for t, w in zip(seq.block_tables, self.bm.windows):
+            nulls = sum(1 for b in t if b == self.bm.null_block)
+            if w is not None: out = max(out, nulls * bs + w - 1)
+        return out
+
+    @rule(data=st.data())
+    def trim(self, data):
+        ids = sorted(i for i, s in self.live.items() if s.num_computed_tokens >= self._earliest_trim(s))
+        if not ids: return
+        seq = self.live[data.draw(st.sampled_from(ids))]
+        k = data.draw(st.integers(self._earliest_trim(seq), seq.num_computed_tokens))
+        self.bm.trim(seq, k)
+        assert seq.num_computed_tokens == k
+        assert all(len(t) == -(-k // self.bm.block_size) for t in seq.block_tables)
+        del seq.token_ids[k:]
+        seq.token_ids.append(data.draw(TOKENS))
+
+    @rule(prefix=st.sampled_from(PREFIXES), tail=st.lists(TOKENS, max_size=8), salt=st.sampled_from([None, "t"]))
+    def lookup(self, prefix, tail, salt):
+        seq = Sequence(-1, prefix + tail or [0], cache_salt=salt)
+        before = group_state(self.bm)
+        hit = self.bm.get_computed_blocks(seq)
+        assert group_state(self.bm) == before
+        if not self.PREFIX: assert hit == []
+        for i, entry in enumerate(hit):
+            for g, b in enumerate(entry if isinstance(entry, tuple) else (entry,)):
+                if b != self.bm.null_block: assert self.bm.registries[g][seq.block_hashes[i]] == b
+
+    @invariant()
+    def consistent(self):
+        bm = getattr(self, "bm", None)
+        if bm is None: return
+        live = list(self.live.values())
+        bm.check_invariants(live)
+        held = Counter(b for s in live for t in s.block_tables for b in t if b != bm.null_block)
+        for b in bm.blocks:
+            if b.block_id == bm.null_block: continue
+            assert b.ref_count == held[b.block_id]
+            assert (bm.block_state(b.block_id) == "used") == (held[b.block_id] > 0)
+        bs = bm.block_size
+        for s in live:
+            pids, n = prefix_ids(s), s.num_computed_tokens
+            for g, (t, w) in enumerate(zip(s.block_tables, bm.windows)):
+                first = 0 if w is None else max(0, n - w + 1)       # the next query's window reaches back to here
+                if w is not None: assert all(b == bm.null_block for b in t[:first // bs]), f"group {g} kept a block its window left"
+                for p, slot in zip(range(first, n), bm.slot_mapping(s, first, n, group=g)):
+                    assert self.kv.get(slot) == (pids[p], s.cache_salt), f"group {g} position {p} reads foreign K/V"
+
+    def teardown(self):
+        bm = getattr(self, "bm", None)
+        if bm is None: return
+        for s in list(self.live.values()): bm.deallocate(s)
+        assert bm.num_used_blocks == 0
+        assert all(bm.block_state(i) in ("free", "cached") for i in range(bm.num_blocks) if i != bm.null_block)
+        bm.check_invariants([])
+
+
+class HybridPrefixPoolMachine(HybridPoolMachine):
+    PREFIX = True
+
+
+TestHybridBlockManagerMachine = HybridPoolMachine.TestCase
+TestHybridBlockManagerMachine.settings = SETTINGS
+TestHybridPrefixCachingBlockManagerMachine = HybridPrefixPoolMachine.TestCase
+TestHybridPrefixCachingBlockManagerMachine.settings = SETTINGS
+
+
 # --- slot mapping ---
 
 @given(table=st.lists(st.integers(0, 99), min_size=1, max_size=8, unique=True), bs=st.sampled_from([1, 2, 4, 16]), data=st.data())

@@ -302,6 +302,20 @@ def reject_always_accept(p, drafts, q, generator=None): return _reject(p, drafts
 def reject_resample_from_p(p, drafts, q, generator=None): return _reject(p, drafts, q, generator, residual=False)
 def reject_inverse_ratio(p, drafts, q, generator=None): return _reject(p, drafts, q, generator, accept="inverse")
 
+def _window_free(block_table, nc, window, bs, passed):
+    table, freed = list(block_table), []
+    for i in range(min(passed, len(table))):
+        if table[i] != 0: freed.append(table[i])
+        table[i] = 0
+    return table, freed
+def window_off_by_one(block_table, num_computed_tokens, window, block_size):
+    return _window_free(block_table, num_computed_tokens, window, block_size, max(0, num_computed_tokens - window)//block_size)
+def window_partial_blocks(block_table, num_computed_tokens, window, block_size):
+    return _window_free(block_table, num_computed_tokens, window, block_size, -(-max(0, num_computed_tokens - window + 1)//block_size))
+def window_frees_nulls(block_table, num_computed_tokens, window, block_size):
+    passed = max(0, num_computed_tokens - window + 1)//block_size
+    return [0]*min(passed, len(block_table)) + list(block_table[passed:]), list(block_table[:passed])
+
 WRONG = {
     "kv_bytes_per_token": [kv_no_v, kv_query_heads, kv_no_head_dim],
     "contiguous_waste": [waste_prompt_only, waste_utilization, waste_no_check],
@@ -310,6 +324,7 @@ WRONG = {
     "copy_on_write": [cow_no_decref, cow_always, cow_swapped],
     "block_hashes": [hashes_no_parent, hashes_partial, hashes_salt_everywhere],
     "prefix_lookup": [lookup_no_cap, lookup_mru, lookup_evicts_hits],
+    "window_free": [window_off_by_one, window_partial_blocks, window_frees_nulls],
     "schedule_step": [step_prefill_first, step_no_chunking, step_no_seat_limit],
     "preempt": [preempt_oldest, preempt_cost_all_tokens, preempt_scheduled_too],
     "paged_attention": [decode_whole_blocks, decode_head_modulo, decode_unscaled],
