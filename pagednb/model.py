@@ -1,4 +1,4 @@
-"""A Llama-family forward (Llama 2/3, Mistral, SmolLM2, Qwen2, Qwen3) and Gemma 2/3 that reads Hugging Face weights and calls a pluggable attention backend.
+"""A Llama-family forward (Llama 2/3, Mistral, SmolLM2, Qwen2, Qwen3, Gemma 2/3) that reads Hugging Face weights and calls a pluggable attention backend.
 
 Docs: https://pagednb.github.io/pagednb/model.html.md"""
 
