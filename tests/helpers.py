@@ -44,3 +44,40 @@ def tiny_chat_model(path):
     for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json"):
         if (src/f).exists(): shutil.copy(src/f, path/f)
     return path
+
+# --- models whose layers attend differently: sliding windows, soft caps, Gemma
+
+HYBRID_VOCAB, HYBRID_LAYERS = 512, 4
+_HYBRID_BASE = dict(vocab_size=HYBRID_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=HYBRID_LAYERS,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)
+
+HYBRID_FAMILIES = {   # family -> (transformers config class name, its arguments, the window its sliding layers have)
+    "qwen2_swa": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=8, max_window_layers=2), 8),
+    "qwen2_layer_types": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=12, layer_types=[
+        "sliding_attention", "full_attention", "sliding_attention", "full_attention"]), 12),
+    "qwen3_swa": ("Qwen3Config", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1, head_dim=32), 8),
+    "mistral_swa": ("MistralConfig", dict(sliding_window=10), 10),
+    "gemma2": ("Gemma2Config", dict(head_dim=16, query_pre_attn_scalar=32, sliding_window=8,
+                                    attn_logit_softcapping=5.0, final_logit_softcapping=10.0), 8),
+    "gemma3": ("Gemma3TextConfig", dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=12,
+                                        sliding_window_pattern=2, final_logit_softcapping=15.0,
+                                        rope_parameters=dict(full_attention=dict(rope_type="linear", factor=4.0,
+                                                                                 rope_theta=1e6),
+                                                             sliding_attention=dict(rope_type="default",
+                                                                                    rope_theta=1e4))), 12),
+}
+
+def tiny_hybrid_model(family, path=None, seed=0):
+    "A tiny random transformers model of `family` (`HYBRID_FAMILIES`), eager attention; saved to `path` if given."
+    import transformers
+    from transformers import AutoModelForCausalLM
+    name, kw, _ = HYBRID_FAMILIES[family]
+    cfg = getattr(transformers, name)(**_HYBRID_BASE, **kw)
+    torch.manual_seed(seed)
+    m = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    with torch.no_grad():               # zero biases and Gemma's zero (or Qwen3's unit) norm gains would hide mistakes
+        for n, p in m.named_parameters():
+            if n.endswith("bias"): p.normal_(0, 0.1)
+            if n.endswith("norm.weight"): p.normal_(0.0 if "gemma" in family else 1.0, 0.3)
+    if path is not None: m.save_pretrained(path)
+    return m

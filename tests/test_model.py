@@ -50,8 +50,8 @@ def test_cached_load_is_fast():
 
 def test_unsupported_architecture(tmp_path):
     (tmp_path/"config.json").write_text('{"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": 10}')
-    with pytest.raises(ValueError, match="GPT2LMHeadModel.*supports model_type llama, mistral, qwen2, qwen3 "
-                                         r"\(Llama 2/3, Mistral, SmolLM2, Qwen2, Qwen3\)"): load_model(tmp_path)
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*supports model_type llama, mistral, qwen2, qwen3, gemma2, gemma3_text "
+                                         r"\(Llama 2/3, Mistral, SmolLM2, Qwen2, Qwen3, Gemma 2, Gemma 3 text\)"): load_model(tmp_path)
 
 def test_missing_path_and_offline_hub(monkeypatch):
     with pytest.raises(FileNotFoundError, match="does not exist"): load_model("/no/such/model/folder")
@@ -89,9 +89,9 @@ def test_qwen3_config_and_modules(tmp_path):
     torch.testing.assert_close(a.k_norm.weight, hf.model.layers[0].self_attn.k_norm.weight)
     assert not ModelConfig.from_hf(dict(model_type="llama", vocab_size=8, hidden_size=8, intermediate_size=8,
                                         num_hidden_layers=1, num_attention_heads=2)).qk_norm
-    bad = dict(model_type="qwen3", vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
-               use_sliding_window=True)
-    with pytest.raises(ValueError, match="use_sliding_window"): ModelConfig.from_hf(bad)
+    swa = dict(model_type="qwen3", vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
+               use_sliding_window=True, sliding_window=4, max_window_layers=0)          # every layer slides
+    assert ModelConfig.from_hf(swa).layer_attention(0).window == 4
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_attention_bias_reaches_o_proj(family, tmp_path):
