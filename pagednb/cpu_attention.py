@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from fastcore.basics import patch
 from .attention import check_attention_args, check_seq_metadata, check_block_tables
-from .attention import check_store_args, check_slots
+from .attention import check_store_args, check_slots, check_window_args
 from .model import cache_dir
 
 # %% ../nbs/04a_cpu_attention.ipynb #5a1c0e02
@@ -173,7 +173,7 @@ def require(self: CppLibrary, instead=""):
 
 # %% ../nbs/04a_cpu_attention.ipynb #5a1c0e24
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-_ATTENTION_ARGS = [_P, _P, _P, _P, _P, _I64, _P, _P, _P, _I64, _I, _I, _I, _I, _F, _I, _I]
+_ATTENTION_ARGS = [_P, _P, _P, _P, _P, _I64, _P, _P, _P, _I64, _I, _I, _I, _I, _F, _I, _I, _I, _F]
 cpu_kernel = CppLibrary("cpu_attention.cpp", "PAGEDNB_CPU_KERNEL", dict(
     pagednb_paged_attention_f32=(_ATTENTION_ARGS, _I),
     pagednb_supports=([_I, _I, _I], _I),
@@ -212,19 +212,22 @@ def _check_kernel_shapes(query, k_cache, out):
         raise ValueError(f"out must be a contiguous {query.dtype} tensor of shape {tuple(query.shape)}")
 
 # %% ../nbs/04a_cpu_attention.ipynb #72dd3d85
-def _attend_f32(lib, out, query, k_cache, v_cache, bt, lens, qsl, seqs, scale, threads, wide=True):
+def _attend_f32(lib, out, query, k_cache, v_cache, bt, lens, qsl, seqs, scale, threads, wide=True,
+                sliding_window=None, softcap=None):
     "One call of the C kernel for the sequences `seqs`, writing their rows of `out`; its code (0: done)."
     _, H, D = query.shape
     _, bs, kvh, _ = k_cache.shape
     ptrs = [t.data_ptr() for t in (out, query, k_cache, v_cache, bt)]
     metadata = [bt.stride(0), lens.data_ptr(), qsl.data_ptr(), seqs.data_ptr(), seqs.numel()]
-    return lib.pagednb_paged_attention_f32(*ptrs, *metadata, H, kvh, D, bs, scale, threads, int(wide))
+    mask = [sliding_window or 0, float(softcap or 0)]                  # 0: no window, no cap
+    return lib.pagednb_paged_attention_f32(*ptrs, *metadata, H, kvh, D, bs, scale, threads, int(wide), *mask)
 
 # %% ../nbs/04a_cpu_attention.ipynb #5eaee17d
 def paged_attention_cpu(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                        seqs=None, out=None, checked=False, wide=True):
+                        seqs=None, out=None, checked=False, wide=True, sliding_window=None, softcap=None):
     "Paged attention on the CPU kernel, reading pages in place; the rows of `seqs` (default all) go to `out`."
     if not checked: _check_call(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+    check_window_args(sliding_window, softcap)
     lib = cpu_kernel.require("use backend='torch'")
     query = query.contiguous()
     out = torch.empty_like(query) if out is None else out
@@ -233,7 +236,8 @@ def paged_attention_cpu(query, k_cache, v_cache, block_tables, seq_lens, query_s
     seqs = torch.arange(lens.shape[0], dtype=torch.int32) if seqs is None else _int32(seqs)
     if seqs.numel() == 0: return out
     threads = torch.get_num_threads()
-    rc = _attend_f32(lib, out, query, k_cache, v_cache, bt, lens, qsl, seqs, float(scale), threads, wide)
+    rc = _attend_f32(lib, out, query, k_cache, v_cache, bt, lens, qsl, seqs, float(scale), threads, wide,
+                     sliding_window, softcap)
     if rc == 1: raise MemoryError("the CPU attention kernel could not allocate its per-thread buffers")
     if rc:
         raise RuntimeError(f"the CPU attention kernel refused the call (code {rc}: no compiled variant for "
@@ -279,11 +283,11 @@ def store_kv(self: KernelStep, key, value, k_cache, v_cache):
 
 # %% ../nbs/04a_cpu_attention.ipynb #e277f589
 @patch
-def attend(self: KernelStep, query, k_cache, v_cache):
-    "This layer's paged attention over the step's block tables: `paged_attention_cpu`, nothing to convert."
+def attend(self: KernelStep, query, k_cache, v_cache, sliding_window=None, softcap=None):
+    "This layer's paged attention over the step's block tables (its window and soft cap, if any)."
     out = torch.empty_like(query)
     rc = _attend_f32(self.lib, out, query, k_cache, v_cache, self.bt, self.lens, self.qsl, self.seqs,
-                     self.scale, self.threads)
+                     self.scale, self.threads, True, sliding_window, softcap)
     if rc: raise RuntimeError(f"the CPU attention kernel failed (code {rc}) for H={query.shape[1]}, "
                               f"kv heads={k_cache.shape[2]}, D={query.shape[2]}")
     return out

@@ -15,9 +15,10 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import pagednb.attention as A
-from pagednb.attention import (BACKENDS, check_block_tables, contiguous_attention, make_paged_problem, paged_attention,
-                               paged_attention_multi, paged_attention_spec, paged_attention_torch, paged_decode,
-                               paged_decode_naive, plan_attention, store_kv, trace_pages)
+from pagednb.attention import (BACKENDS, TorchAttentionPlan, check_block_tables, contiguous_attention,
+                               make_paged_problem, paged_attention, paged_attention_multi, paged_attention_spec,
+                               paged_attention_torch, paged_decode, paged_decode_naive, plan_attention, store_kv,
+                               trace_pages)
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
 
@@ -25,7 +26,7 @@ TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16:
 def spec32(p):
     "The spec, in float32, on the problem's (already rounded) inputs."
     q, kc, vc, bt, sl, qsl, sc = p.args
-    return paged_attention_spec(q.float(), kc.float(), vc.float(), bt, sl, qsl, sc)
+    return paged_attention_spec(q.float(), kc.float(), vc.float(), bt, sl, qsl, sc, **p.kw)
 
 
 def assert_matches(out, p):
@@ -261,3 +262,126 @@ def test_triton_refusals(monkeypatch):
     with pytest.raises(TypeError, match='Tesla T4.*no bfloat16'):
         A.check_triton_device(torch.device('cuda'), torch.bfloat16)
     A.check_triton_device(torch.device('cuda'), torch.float16)               # fp16 on a T4 is fine
+
+
+# --- sliding windows and soft caps ---------------------------------------------------------------------------
+# Windows below, at and above a page; pages before the window are the NaN null block, so reading one shows up as NaN.
+
+def windowed(block_size, window, softcap, seed=0, head_dim=16, heads=4, kv_heads=2, lens=None, qlens=None):
+    "A decode, a prefill, chunked prefills and a long chunk (the torch backend's one-sequence path), windowed."
+    lens = lens or [70, 9, 45, 60, 3]
+    qlens = qlens or [1, 9, 6, 20, 3]
+    return make_paged_problem(lens, query_lens=qlens, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+                              block_size=block_size, sliding_window=window, softcap=softcap, seed=seed).fill()
+
+
+def test_window_convention_matches_transformers():
+    from transformers.masking_utils import sliding_window_overlay, causal_mask_function
+    overlay, W = sliding_window_overlay(4), 4
+    hf = torch.tensor([[causal_mask_function(0, 0, q, k) and overlay(0, 0, q, k) for k in range(10)] for q in range(10)])
+    test = A.visible(torch.arange(10)[:, None], torch.arange(10)[None, :], W)
+    assert torch.equal(hf, test)
+    assert test.sum(1).tolist() == [1, 2, 3, 4] + [4] * 6                # W tokens including the query itself
+
+
+@pytest.mark.parametrize('block_size', [16, 32])
+@pytest.mark.parametrize('window_kind', ['below', 'page', 'above', 'huge'])
+@pytest.mark.parametrize('softcap', [None, 20.0])
+def test_window_spec_and_torch_match_dense(block_size, window_kind, softcap):
+    W = dict(below=5, page=block_size, above=2 * block_size + 3, huge=10_000)[window_kind]
+    p = windowed(block_size, W, softcap, seed=W)
+    dense = contiguous_attention(p)
+    assert not dense.isnan().any()
+    torch.testing.assert_close(paged_attention_spec(*p.args, **p.kw), dense, atol=1e-5, rtol=1e-5)
+    out = paged_attention(*p.args, backend='torch', **p.kw)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, dense, atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.integers(1, 90), st.integers(1, 90)), min_size=1, max_size=6),
+       st.sampled_from(GQA), st.sampled_from([8, 16, 32]), st.integers(1, 70), st.sampled_from([None, 5.0, 30.0]),
+       st.integers(0, 2**16))
+def test_window_torch_random(lens_q, gqa, block_size, window, softcap, seed):
+    lens = [max(a, b) for a, b in lens_q]
+    qlens = [min(a, b) for a, b in lens_q]
+    p = make_paged_problem(lens, query_lens=qlens, num_heads=gqa[0], num_kv_heads=gqa[1], head_dim=16,
+                           block_size=block_size, sliding_window=window, softcap=softcap, seed=seed).fill()
+    dense = contiguous_attention(p)
+    torch.testing.assert_close(paged_attention_spec(*p.args, **p.kw), dense, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(paged_attention_torch(*p.args, **p.kw), dense, atol=1e-5, rtol=1e-5)
+
+
+def test_softcap_alone_and_no_window_is_todays_behaviour():
+    p = mixed()
+    assert torch.equal(paged_attention(*p.args, backend='torch', sliding_window=None, softcap=None),
+                       paged_attention(*p.args, backend='torch'))
+    capped = paged_attention(*p.args, backend='torch', softcap=2.0)
+    torch.testing.assert_close(capped, paged_attention_spec(*p.args, softcap=2.0), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(capped, paged_attention_spec(*p.args), atol=1e-3)
+
+
+@pytest.mark.parametrize('block_size', [16, 32])
+@pytest.mark.parametrize('W', [5, 16, 40])
+@pytest.mark.parametrize('softcap', [None, 20.0])
+def test_window_triton_matches_dense(block_size, W, softcap):
+    p = windowed(block_size, W, softcap, seed=W, lens=[70, 9, 45, 21], qlens=[1, 9, 6, 18])
+    out = paged_attention(*p.args, backend='triton', **p.kw)
+    torch.testing.assert_close(out, contiguous_attention(p), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize('variant,splits', [('naive', None), ('decode', None), ('multi', 3)])
+@pytest.mark.parametrize('W', [3, 16, 37])
+def test_window_triton_decode_variants(variant, splits, W):
+    p = make_paged_problem([70, 33, 9, 1], num_heads=6, num_kv_heads=2, head_dim=16, block_size=16,
+                           sliding_window=W, softcap=15.0, seed=W).fill()
+    out = paged_attention(*p.args, backend='triton', variant=variant, num_splits=splits, **p.kw)
+    torch.testing.assert_close(out, contiguous_attention(p), atol=1e-5, rtol=1e-5)
+
+
+def test_window_triton_split_multi_token_and_bf16():
+    p = windowed(16, 20, 10.0, lens=[80, 30], qlens=[7, 30])
+    out = paged_attention(*p.args, backend='triton', variant='multi', num_splits=2, **p.kw)
+    torch.testing.assert_close(out, contiguous_attention(p), atol=1e-5, rtol=1e-5)
+    pb = make_paged_problem([50, 12], query_lens=[1, 5], head_dim=16, block_size=16, dtype=torch.bfloat16,
+                            sliding_window=17, softcap=30.0).fill()
+    for backend in BACKENDS:
+        assert_matches(paged_attention(*pb.args, backend=backend, **pb.kw), pb)
+
+
+def test_window_triton_reads_only_window_pages():
+    p = make_paged_problem([70, 40], num_heads=2, num_kv_heads=1, head_dim=16, block_size=8, sliding_window=12,
+                           seed=5).fill()
+    out, tr = trace_pages(*p.args, max_query_len=1, max_seq_len=70, variant='decode', num_splits=1, block_n=8,
+                          sliding_window=12)
+    torch.testing.assert_close(out, contiguous_attention(p), atol=1e-5, rtol=1e-5)
+    # position 69 sees 58..69: pages 7 and 8 of 9; position 39 sees 28..39: pages 3 and 4 of 5
+    assert [i for i, b in enumerate(tr[0, 0, 0].tolist()) if b >= 0] == [7, 8]
+    assert [i for i, b in enumerate(tr[1, 0, 0].tolist()) if b >= 0] == [3, 4]
+
+
+def test_window_plan():
+    p = windowed(16, 20, None)
+    n = p.k_cache.shape[0]
+    plan = TorchAttentionPlan(p.block_tables, p.seq_lens, p.query_start_loc, n, 16, p.query.shape[0])
+    plan20 = TorchAttentionPlan(p.block_tables, p.seq_lens, p.query_start_loc, n, 16, sliding_window=20)
+    dense = contiguous_attention(p)
+    for pl in (plan, plan20):                                # a window-less plan serves a windowed layer too
+        torch.testing.assert_close(paged_attention(*p.args, backend='torch', plan=pl, sliding_window=20), dense,
+                                   atol=1e-5, rtol=1e-5)
+    assert plan.for_window(20) is plan.for_window(20) and plan.sliding_window is None
+    assert max(g.P for g in plan20.groups) < max(g.P for g in plan.groups)   # pages before the window not gathered
+    with pytest.raises(ValueError, match='built for sliding_window=20'):
+        paged_attention(*p.args, backend='torch', plan=plan20, sliding_window=8)
+    with pytest.raises(ValueError, match='sliding_window=None'):
+        paged_attention(*p.args, backend='torch', plan=plan20)
+    with pytest.raises(ValueError, match='sliding_window must be'):
+        TorchAttentionPlan(p.block_tables, p.seq_lens, p.query_start_loc, n, 16, sliding_window=0)
+
+
+@pytest.mark.parametrize('backend', BACKENDS)
+def test_bad_window_args(backend):
+    p = mixed()
+    for kw, msg in [(dict(sliding_window=0), 'sliding_window must be'), (dict(sliding_window=2.5), 'sliding_window must'),
+                    (dict(softcap=0.0), 'softcap must be'), (dict(softcap=float('inf')), 'softcap must be')]:
+        with pytest.raises(ValueError, match=msg): paged_attention(*p.args, backend=backend, **kw)

@@ -97,6 +97,14 @@ static inline void softmax_page(float* __restrict pg, int n, float* m, float* l,
   *l += hsum(sum);
 }
 
+// A layer's window and soft cap on one page's scores pg[0, n): each becomes cap * tanh(score / cap) (Gemma 2) when
+// cap > 0, and those before `start` (left of the sliding window) -inf.
+static inline void cap_and_mask(float* pg, int start, int n, float cap) {
+  if (cap > 0.f)
+    for (int u = start; u < n; u++) pg[u] = cap * std::tanh(pg[u] / cap);
+  for (int u = 0; u < start; u++) pg[u] = -INFINITY;
+}
+
 // Scores of NG query heads (scaled, qs[g*D..]) against 8 tokens of one page slice starting at kp (rows `row`
 // apart) into p[g*PS + t0..].
 template <int NG, int D>
@@ -163,7 +171,7 @@ template <int NG, int D>
 static inline void page_block(float* __restrict acc, float* __restrict m, float* __restrict l,
                               float* __restrict p, int PS, const float* __restrict qs,
                               const float* __restrict kp, const float* __restrict vp, int64_t row, int lim,
-                              int BS, const float* kn, const float* vn) {
+                              int BS, const float* kn, const float* vn, int start, float cap) {
   constexpr int V = D / 8;
   int t = 0;
   for (; t < lim && t + 8 <= BS; t += 8)
@@ -174,37 +182,44 @@ static inline void page_block(float* __restrict acc, float* __restrict m, float*
       for (int c = 0; c < V; c++) s0 += ld(qs + g * D + 8 * c) * ld(kp + t * row + 8 * c);
       p[g * PS + t] = hsum(s0);
     }
-  for (int g = 0; g < NG; g++) softmax_page<v8, D>(p + g * PS, lim, m + g, l + g, acc + g * D);
+  for (int g = 0; g < NG; g++) {
+    cap_and_mask(p + g * PS, start, lim, cap);
+    softmax_page<v8, D>(p + g * PS, lim, m + g, l + g, acc + g * D);
+  }
   accumulate<NG, D>(acc, p, PS, vp, row, lim, vn, BS);
 }
 
 template <int NG, int D>
 static inline void page_blocks(float* acc, float* m, float* l, float* p, int PS, const float* qs,
                                const float* kp, const float* vp, int64_t row, int lim, int BS, int G,
-                               const float* kn, const float* vn) {
+                               const float* kn, const float* vn, int start, float cap) {
   // heads in blocks of up to NG (4), so that the scores' and V's accumulators stay in registers
   int g = 0;
   for (; g + NG <= G; g += NG, kn = vn = nullptr)
-    page_block<NG, D>(acc + g * D, m + g, l + g, p, PS, qs + g * D, kp, vp, row, lim, BS, kn, vn);
+    page_block<NG, D>(acc + g * D, m + g, l + g, p, PS, qs + g * D, kp, vp, row, lim, BS, kn, vn, start, cap);
   switch (G - g) {
     case 1:
-      page_block<1, D>(acc + g * D, m + g, l + g, p, PS, qs + g * D, kp, vp, row, lim, BS, kn, vn);
+      page_block<1, D>(acc + g * D, m + g, l + g, p, PS, qs + g * D, kp, vp, row, lim, BS, kn, vn, start,
+                         cap);
       break;
     case 2:
-      page_block<2, D>(acc + g * D, m + g, l + g, p, PS, qs + g * D, kp, vp, row, lim, BS, kn, vn);
+      page_block<2, D>(acc + g * D, m + g, l + g, p, PS, qs + g * D, kp, vp, row, lim, BS, kn, vn, start,
+                         cap);
       break;
     case 3:
-      page_block<3, D>(acc + g * D, m + g, l + g, p, PS, qs + g * D, kp, vp, row, lim, BS, kn, vn);
+      page_block<3, D>(acc + g * D, m + g, l + g, p, PS, qs + g * D, kp, vp, row, lim, BS, kn, vn, start,
+                         cap);
       break;
   }
 }
 
 // One sequence, kv heads [h0, h1): the G = H / KVH query heads of each, at each of its nq query tokens, page
-// by page.
+// by page, from the first page holding a key of the first query's window (W: window, 0 for none; cap: soft cap,
+// 0 for none).
 template <int G, int D>
 static void attend(float* __restrict out, const float* __restrict q, const float* __restrict kc,
                    const float* __restrict vc, const int32_t* __restrict bt, int L, int nq, int h0, int h1,
-                   int H, int KVH, int BS, float scale, float* __restrict buf) {
+                   int H, int KVH, int BS, float scale, float* __restrict buf, int W, float cap) {
   const int R = nq * G * (h1 - h0), PS = (BS + 15) & ~7;
   // acc, scaled q [R, D]; max m, sum l [R]; scores [G, PS]
   float *acc = buf, *qs = acc + R * D, *m = qs + R * D, *l = m + R, *p = l + R;
@@ -223,7 +238,9 @@ static void attend(float* __restrict out, const float* __restrict q, const float
   const int64_t row = (int64_t)KVH * D, page = BS * row;
   const int pages = (L + BS - 1) / BS;
   constexpr int NG = G < 4 ? G : 4;
-  for (int b = 0; b < pages; b++) {
+  // the first visible key of the first query: pages before its page are not read
+  const int first = W > 0 ? std::max(0, L - nq - W + 1) : 0;
+  for (int b = first / BS; b < pages; b++) {
     const int n = std::min(BS, L - b * BS);
     for (int h = h0; h < h1; h++) {
       const float* kp = kc + bt[b] * page + (int64_t)h * D;
@@ -234,10 +251,12 @@ static void attend(float* __restrict out, const float* __restrict q, const float
       for (int j = 0; j < nq; j++) {
         // causal: keys up to query token j's position
         const int lim = std::min(n, L - nq + j + 1 - b * BS);
-        if (lim <= 0) continue;
+        // window: keys after position (L - nq + j) - W
+        const int start = W > 0 ? std::max(0, L - nq + j - W + 1 - b * BS) : 0;
+        if (lim <= 0 || start >= lim) continue;
         const int r0 = ((h - h0) * nq + j) * G;
         page_blocks<NG, D>(acc + r0 * D, m + r0, l + r0, p, PS, qs + r0 * D, kp, vp, row, lim, BS, G,
-                           j ? nullptr : kn, j ? nullptr : vn);
+                           j ? nullptr : kn, j ? nullptr : vn, start, cap);
       }
     }
   }
@@ -325,10 +344,13 @@ template <int NG, int D>
 static inline void page16(float* __restrict acc, float* __restrict m, float* __restrict l, float* __restrict p,
                           int PS, const float* __restrict qs, const float* __restrict kp,
                           const float* __restrict vp, int64_t row, int n, int BS, const float* kn,
-                          const float* vn) {
+                          const float* vn, int start, float cap) {
   constexpr int C = D / 16;
   scores16<NG, D>(p, PS, qs, kp, row, n, kn);
-  for (int g = 0; g < NG; g++) softmax_page<v16, D>(p + g * PS, n, m + g, l + g, acc + g * D);
+  for (int g = 0; g < NG; g++) {
+    cap_and_mask(p + g * PS, start, n, cap);
+    softmax_page<v16, D>(p + g * PS, n, m + g, l + g, acc + g * D);
+  }
   v16 a[NG][C];
 #pragma GCC unroll 16
   for (int g = 0; g < NG; g++)
@@ -354,14 +376,17 @@ static inline void page16(float* __restrict acc, float* __restrict m, float* __r
 template <int NG, int D>
 static inline void heads16(float* acc, float* m, float* l, float* p, int PS, const float* qs, const float* kp,
                            const float* vp, int64_t row, int n, int BS, int G, const float* kn,
-                           const float* vn) {
+                           const float* vn, int start, float cap) {
   int g = 0;
   for (; g + NG <= G; g += NG, kn = vn = nullptr)
-    page16<NG, D>(acc + g * D, m + g, l + g, p, PS, qs + g * D, kp, vp, row, n, BS, kn, vn);
-  switch (G - g) {
-    case 1: page16<1, D>(acc + g * D, m + g, l + g, p, PS, qs + g * D, kp, vp, row, n, BS, kn, vn); break;
-    case 2: page16<2, D>(acc + g * D, m + g, l + g, p, PS, qs + g * D, kp, vp, row, n, BS, kn, vn); break;
-    case 3: page16<3, D>(acc + g * D, m + g, l + g, p, PS, qs + g * D, kp, vp, row, n, BS, kn, vn); break;
+    page16<NG, D>(acc + g * D, m + g, l + g, p, PS, qs + g * D, kp, vp, row, n, BS, kn, vn, start, cap);
+  const int rest = G - g;
+  float *a = acc + g * D, *mg = m + g, *lg = l + g;
+  const float* q = qs + g * D;
+  switch (rest) {
+    case 1: page16<1, D>(a, mg, lg, p, PS, q, kp, vp, row, n, BS, kn, vn, start, cap); break;
+    case 2: page16<2, D>(a, mg, lg, p, PS, q, kp, vp, row, n, BS, kn, vn, start, cap); break;
+    case 3: page16<3, D>(a, mg, lg, p, PS, q, kp, vp, row, n, BS, kn, vn, start, cap); break;
   }
 }
 
@@ -369,7 +394,7 @@ static inline void heads16(float* acc, float* m, float* l, float* p, int PS, con
 template <int G, int D>
 static void decode16(float* __restrict out, const float* __restrict q, const float* __restrict kc,
                      const float* __restrict vc, const int32_t* __restrict bt, int L, int nq, int h0, int h1,
-                     int H, int KVH, int BS, float scale, float* __restrict buf) {
+                     int H, int KVH, int BS, float scale, float* __restrict buf, int W, float cap) {
   const int R = G * (h1 - h0), PS = (BS + 15) & ~15;
   // acc, scaled q [R, D]; max m, sum l [R]; scores [NG, PS]
   float *acc = buf, *qs = acc + R * D, *m = qs + R * D, *l = m + R, *p = l + R;
@@ -384,15 +409,17 @@ static void decode16(float* __restrict out, const float* __restrict q, const flo
   const int pages = (L + BS - 1) / BS;
   // up to 4 heads a block at head_dim <= 64, 2 above
   constexpr int NG = std::min(G, D <= 64 ? 4 : 2);
-  for (int b = 0; b < pages; b++) {
-    const int n = std::min(BS, L - b * BS);
+  // the query is position L - 1: with a window it sees keys from L - W, and pages before that one are not read
+  const int first = W > 0 ? std::max(0, L - W) : 0;
+  for (int b = first / BS; b < pages; b++) {
+    const int n = std::min(BS, L - b * BS), start = std::max(0, first - b * BS);
     for (int h = h0; h < h1; h++) {
       const int64_t off = (int64_t)h * D;
       const bool next = b + 1 < pages;
       const int r0 = (h - h0) * G;
       heads16<NG, D>(acc + r0 * D, m + r0, l + r0, p, PS, qs + r0 * D, kc + bt[b] * page + off,
                      vc + bt[b] * page + off, row, n, BS, G, next ? kc + bt[b + 1] * page + off : nullptr,
-                     next ? vc + bt[b + 1] * page + off : nullptr);
+                     next ? vc + bt[b + 1] * page + off : nullptr, start, cap);
     }
   }
   for (int r = 0; r < R; r++) {
@@ -407,7 +434,7 @@ static void decode16(float* __restrict out, const float* __restrict q, const flo
 #endif
 
 typedef void (*attend_fn)(float*, const float*, const float*, const float*, const int32_t*, int, int, int,
-                          int, int, int, int, float, float*);
+                          int, int, int, int, float, float*, int, float);
 // The kernel for G query heads per kv head: attend, or with `decode` the 16-lane decode16 (none without AVX-512).
 template <int G, int D>
 static attend_fn kernel_for(bool decode) {
@@ -450,7 +477,7 @@ extern "C" int pagednb_paged_attention_f32(float* out, const float* query, const
                                            const float* v_cache, const int32_t* block_tables,
                                            int64_t bt_stride, const int32_t* seq_lens, const int32_t* qsl,
                                            const int32_t* seqs, int64_t n_seqs, int H, int KVH, int D, int BS,
-                                           float scale, int num_threads, int wide) {
+                                           float scale, int num_threads, int wide, int window, float softcap) {
   attend_fn fn = pagednb_supports(H, KVH, D) ? pick(H / KVH, D) : nullptr;
   if (!fn) return 2;
   // single query tokens (decodes) on the 16-lane kernel where it was compiled and `wide` asks for it
@@ -488,7 +515,7 @@ extern "C" int pagednb_paged_attention_f32(float* out, const float* query, const
       // the tile's queries are the last j1 - j0 of a sequence cut after its (j1 - 1)-th query token
       const attend_fn f = j1 - j0 == 1 ? one : fn;
       f(out + off, query + off, k_cache, v_cache, block_tables + s * bt_stride, seq_lens[s] - (nq - j1), j1 - j0,
-        h0, h0 + per_item, H, KVH, BS, scale, buf);
+        h0, h0 + per_item, H, KVH, BS, scale, buf, window, softcap);
     }
     std::free(buf);
   }
