@@ -72,9 +72,12 @@ def from_engine_args(cls: LLMEngine, args: EngineArgs):
 @patch
 def _load(self: LLMEngine, args: EngineArgs):
     "The model, its tokenizer and config (`args.model` may be a loaded `(model, tokenizer, config)` triple)."
+    if isinstance(args.model, tuple) and args.hf_overrides:
+        raise ValueError("hf_overrides changes the model as it is loaded: give the model's name or folder, "
+                         "not a loaded (model, tokenizer, config)")
     if isinstance(args.model, tuple): parts = args.model
     else: parts = load_model(args.model, dtype=args.dtype, device=args.device, revision=args.revision,
-                             trust_remote_code=args.trust_remote_code)
+                             trust_remote_code=args.trust_remote_code, hf_overrides=args.hf_overrides)
     self.model, self.tokenizer, self.model_config = parts
     tok = args.tokenizer
     if isinstance(tok, (str, os.PathLike)): tok = AutoTokenizer.from_pretrained(tok, revision=args.tokenizer_revision)

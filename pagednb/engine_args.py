@@ -118,6 +118,12 @@ def _generation_config(name, v):
     if v in ("auto", "vllm") or os.path.isdir(str(v)): return
     raise ValueError(f"{name}={v!r} is invalid: use 'auto' (the model's), 'vllm' (none) or a folder")
 
+def _overrides(name, v):
+    "None, or a dict of config.json fields (vLLM's `hf_overrides`)."
+    if v is None or (isinstance(v, dict) and all(isinstance(k, str) for k in v)): return
+    raise ValueError(f"{name}={v!r} is invalid: it must be a dict of config.json fields, "
+                     f"e.g. {{'sliding_window': 256}}")
+
 def _batch_sizes(name, v):
     "None, or a list of batch sizes >= 1."
     if v is None: return
@@ -151,7 +157,9 @@ _HELP = dict(
     max_num_batched_tokens="token budget of one step, e.g. 2048 or 2K (default 2048, "
                            "or max_model_len without chunked prefill)",
     generation_config="sampling defaults: auto (the model's generation_config.json), vllm (none) or a folder",
-    speculative_config=f"speculative decoding as JSON, e.g. '{_SPEC_EXAMPLE}'")
+    speculative_config=f"speculative decoding as JSON, e.g. '{_SPEC_EXAMPLE}'",
+    hf_overrides="config.json fields to change before the model is built, as JSON, e.g. "
+                 "'{\"layer_types\": [...], \"sliding_window\": 256}'")
 KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 ATTENTION_BACKENDS = ("torch", "triton")
 ON_OFF = argparse.BooleanOptionalAction
@@ -166,6 +174,7 @@ class EngineArgs:
     tokenizer_revision: str | None = knob(None, "the tokenizer's revision on the hub")
     trust_remote_code: bool = knob(False, "accepted as vLLM takes it; pagednb runs no checkpoint's own code",
                                    action=ON_OFF)
+    hf_overrides: dict | None = knob(None, _HELP["hf_overrides"], _overrides, type=json_value)
     dtype: str = knob("auto", _HELP["dtype"], _dtype, choices=DTYPES)
     device: str | None = knob(None, "cpu, cuda or cuda:N (default: a GPU if there is one)", flag=False)
     seed: int = knob(0, "the engine's random seed", _seed, type=int)

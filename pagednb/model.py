@@ -196,7 +196,7 @@ def _qwen_types(d: dict, n) -> list:
 def _hf_layer_types(d: dict) -> list|None:
     "Each layer's type as transformers derives it from a `config.json` dict (None: every layer full)."
     mt, n = d["model_type"], d["num_hidden_layers"]
-    if mt == "llama": return None
+    if mt == "llama" and d.get("layer_types") is None: return None   # given (by hf_overrides): honoured
     if mt == "mistral": return None if d.get("sliding_window") is None else ["sliding_attention"]*n
     if d.get("layer_types") is not None: return list(d["layer_types"])
     if mt in ("qwen2", "qwen3"): return _qwen_types(d, n)
@@ -279,9 +279,9 @@ def from_hf(cls: ModelConfig, c):
 
 # %% ../nbs/01_model.ipynb #33fa6d52
 @patch(cls_method=True)
-def from_path(cls: ModelConfig, path):
-    "Read `config.json` from a model folder."
-    c = cls.from_hf(json.loads((Path(path)/"config.json").read_text()))
+def from_path(cls: ModelConfig, path, overrides=None):
+    "Read `config.json` from a model folder, with `overrides` (vLLM's `hf_overrides`) put over its fields."
+    c = cls.from_hf(json.loads((Path(path)/"config.json").read_text()) | (overrides or {}))
     c.path = str(path)
     return c
 
@@ -708,12 +708,12 @@ def _build_model(cfg: ModelConfig, sd: dict, path, device, dtype) -> CausalLM:
 
 # %% ../nbs/01_model.ipynb #89333428
 def load_model(name_or_path=None, dtype=None, device=None, revision=None, tokenizer=None,
-               trust_remote_code=False):
-    "Load `(model, tokenizer, config)`; `trust_remote_code` is accepted and changes nothing (no repo code)."
+               trust_remote_code=False, hf_overrides=None):
+    "Load `(model, tokenizer, config)`; `hf_overrides` changes config.json's fields; `trust_remote_code` nothing."
     device = check_device(device)
     resolve_dtype(dtype, device)                                     # a bad dtype fails before any download
     path = resolve_model(name_or_path, revision=revision)
-    cfg = ModelConfig.from_path(path)
+    cfg = ModelConfig.from_path(path, hf_overrides)
     dtype = resolve_dtype(dtype, device, cfg.torch_dtype)
     path, sd = _load_weights(name_or_path, path)
     return _build_model(cfg, sd, path, device, dtype), _load_tokenizer(tokenizer, path), cfg

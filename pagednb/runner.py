@@ -173,14 +173,14 @@ def _prepare(self: PagedAttentionBackend, x, q, kc):
     self._order = cpu_kernel_order(x.seq_lens, x.query_start_loc) if self.path == "cpu" else None
 
 @patch
-def _prepare_group(self: PagedAttentionBackend, x, g, kc, scale):
-    "Group `g`'s plan of the torch path and kernel step of the C++ path, once a step."
+def _prepare_group(self: PagedAttentionBackend, x, g, kc, spec):
+    "Group `g`'s plan of the torch path (its window's pages only) and kernel step of the C++ path, once a step."
     bt, slots = x.group(g)
     if self._torch:
         self.plans[g] = TorchAttentionPlan(bt, x.seq_lens, x.query_start_loc, kc.shape[0], kc.shape[1],
-                                           x.input_ids.shape[0])
+                                           x.input_ids.shape[0], sliding_window=spec.window)
     if self.path == "cpu":
-        self.kernels[g] = KernelStep(kc, bt, x.seq_lens, x.query_start_loc, slots, scale, seqs=self._order)
+        self.kernels[g] = KernelStep(kc, bt, x.seq_lens, x.query_start_loc, slots, spec.scale, seqs=self._order)
 
 # %% ../nbs/06_runner.ipynb #e659d5db
 @patch
@@ -188,7 +188,7 @@ def __call__(self: PagedAttentionBackend, layer, q, k, v):
     "Store layer `layer`'s K/V at its group's slots, then attend through that group's block tables."
     x, (kc, vc, g, spec, kw) = self.inputs, self.layers[layer]
     if self._step is not x: self._prepare(x, q, kc)
-    if g not in self.plans and g not in self.kernels: self._prepare_group(x, g, kc, spec.scale)
+    if g not in self.plans and g not in self.kernels: self._prepare_group(x, g, kc, spec)
     if self.path == "cpu" and _cpu_ready(q, k, v, kc, x.input_ids.shape[0]):
         kernel = self.kernels[g]
         kernel.store_kv(k, v, kc, vc)

@@ -48,6 +48,17 @@ MODELS = {   # from each model's config.json on the Hugging Face hub
     "Llama-3-8B":   _cfg("llama", 128256, 4096, 14336, 32, 32, 8, 8192, "bfloat16", 500000.0),
     "Llama-3-70B":  _cfg("llama", 128256, 8192, 28672, 80, 64, 8, 8192, "bfloat16", 500000.0),
     "Mistral-7B":   _cfg("mistral", 32000, 4096, 14336, 32, 32, 8, 32768, "bfloat16", 10000.0),
+    "Mistral-7B-v0.1": _cfg("mistral", 32000, 4096, 14336, 32, 32, 8, 32768, "bfloat16", 10000.0,
+                            sliding_window=4096),                    # a 4k window in every layer
+    "gemma-2-9b":   _cfg("gemma2", 256000, 3584, 14336, 42, 16, 8, 8192, "bfloat16", 10000.0, head_dim=256,
+                         sliding_window=4096, query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
+                         final_logit_softcapping=30.0),               # local and global layers alternate
+    "gemma-3-12b":  _cfg("gemma3_text", 262208, 3840, 15360, 48, 16, 8, 131072, "bfloat16", 1e6, head_dim=256,
+                         sliding_window=1024, sliding_window_pattern=6, query_pre_attn_scalar=256,
+                         rope_local_base_freq=10000.0),               # five local layers for each global one
+    "gemma-3-27b":  _cfg("gemma3_text", 262208, 5376, 21504, 62, 32, 16, 131072, "bfloat16", 1e6, head_dim=128,
+                         sliding_window=1024, sliding_window_pattern=6, query_pre_attn_scalar=168,
+                         rope_local_base_freq=10000.0),
     "Qwen2.5-7B":   _cfg("qwen2", 152064, 3584, 18944, 28, 28, 4, 131072, "bfloat16", 1000000.0),
     "SmolLM2-135M": _cfg("llama", 49152, 576, 1536, 30, 9, 3, 8192, "bfloat16", 100000.0,
                          tie_word_embeddings=True),
@@ -59,16 +70,17 @@ def _hub_config(repo_id):
     import huggingface_hub
     return huggingface_hub.hf_hub_download(repo_id, "config.json")
 
-def model_config(model) -> ModelConfig:
-    "A `ModelConfig` from a `MODELS` name, a config.json path or folder, a dict, or a hub id (config only)."
+def model_config(model, overrides=None) -> ModelConfig:
+    "A `ModelConfig` from a `MODELS` name, a config.json path or folder, a dict, or a hub id; `overrides` over it."
+    if isinstance(model, ModelConfig) and overrides: raise ValueError("hf_overrides needs a config.json, not a ModelConfig")
     if isinstance(model, ModelConfig): return model
-    if isinstance(model, dict): return ModelConfig.from_hf(model)
-    if model in MODELS: return ModelConfig.from_hf(MODELS[model])
+    if isinstance(model, dict): return ModelConfig.from_hf(model | (overrides or {}))
+    if model in MODELS: return ModelConfig.from_hf(MODELS[model] | (overrides or {}))
     p = Path(str(model)).expanduser()
     if p.is_dir(): p = p/"config.json"
     if not p.is_file() and str(model).count("/") == 1 and not str(model).startswith((".", "~")):
         p = Path(_hub_config(str(model)))
-    if p.is_file(): return ModelConfig.from_hf(json.loads(p.read_text()))
+    if p.is_file(): return ModelConfig.from_hf(json.loads(p.read_text()) | (overrides or {}))
     raise ValueError(f"model={model!r} is not a known model, a config.json path or a hub id 'org/name'; "
                      f"the known models are: {', '.join(MODELS)}")
 
@@ -203,7 +215,7 @@ class Simulator:
     "The real scheduler, block manager and prefix cache for a model and GPU you name, in simulated time."
     def __init__(self, model, device="A100-40GB", **knobs):
         self.args, self.device = sim_args(knobs), device
-        self.config = model_config(model)
+        self.config = model_config(model, self.args.hf_overrides)
         folder = Path(self.config.path).name if self.config.path else self.config.model_type
         self.name = model if isinstance(model, str) and model in MODELS else folder
         self.gpu = None if device == "cpu" else GPUS.get(device)
