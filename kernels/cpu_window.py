@@ -66,7 +66,8 @@ def markdown(rows, a, command):
              f"One decode of one sequence: {a.heads} query heads, {a.kv_heads} KV heads, head_dim {a.head_dim}, "
              f"pages of {a.block_size}, float32; best of {a.reps} calls, milliseconds. Pages wholly before the "
              f"window are the null block (never read); outputs checked against the dense masked softmax.", "",
-             f"| tokens | C++ kernel, no window | C++ kernel, W={w} | torch backend, no window | torch backend, W={w} |",
+             f"| tokens | C++ kernel, no window | C++ kernel, W={w} | torch backend, no window "
+             f"| torch backend, W={w} |",
              "|---:|---:|---:|---:|---:|"]
     lines += [f"| {L} | {c0:.3f} | {c1:.3f} | {t0:.3f} | {t1:.3f} |" for L, c0, c1, t0, t1 in rows]
     base = next((r for r in rows if r[0] >= w), rows[0])                  # the first length that fills the window

@@ -171,7 +171,8 @@ def step_window(quick, device="cuda"):
                     if variant == "naive" and max(lens) > 4096: continue
                     out = paged_attention(*p.args, backend=backend, **kw, **p.kw).float()
                     err = (out - want).abs().max().item()
-                    ok = bool(torch.isfinite(out).all()) and bool(((out - want).abs() <= atol + rtol * want.abs()).all())
+                    close = (out - want).abs() <= atol + rtol * want.abs()
+                    ok = bool(torch.isfinite(out).all()) and bool(close.all())
                     rows.append(dict(dtype=dt, block_size=bs, window=w, softcap=cap, batch=name, backend=backend,
                                      variant=variant or "auto", splits=splits, max_err=f"{err:.1e}", ok=ok))
     timing = window_timing(device) if device == "cuda" else []
