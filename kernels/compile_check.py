@@ -50,7 +50,7 @@ def compile_one(kernel, sig, const, arch, num_warps=4, num_stages=2):
 
 def attn_sig(dt):
     return dict(Q=f'*{dt}', K=f'*{dt}', V=f'*{dt}', O=f'*{dt}', BLOCK_TABLES='*i32', SEQ_LENS='*i32', QSL='*i32',
-                TRACE='*i32', qk_scale='fp32', bt_stride='i32')
+                TRACE='*i32', qk_scale='fp32', bt_stride='i32', window='i32', softcap='fp32')
 
 
 def cases(quick):
@@ -63,14 +63,17 @@ def cases(quick):
         prec, elem = ('ieee', 4) if dt == 'fp32' else ('tf32', 2)
         for H, KVH, D, BS in shapes:
             G = H // KVH
-            c = dict(H=H, KVH=KVH, G=G, D=D, D_PAD=P2(max(D, 16)), BS=BS, F32_DOT=False, PREC=prec, TRACE_ON=False)
-            tag = f'{dt} sm_{arch} H={H} KVH={KVH} D={D} B={BS}'
+            # the soft cap (Gemma 2) compiled for one shape per target; the window is a plain argument of every kernel
+            cap = (H, KVH, D, BS) == shapes[1]
+            c = dict(H=H, KVH=KVH, G=G, D=D, D_PAD=P2(max(D, 16)), BS=BS, F32_DOT=False, PREC=prec, TRACE_ON=False,
+                     SOFTCAP=cap)
+            tag = f'{dt} sm_{arch} H={H} KVH={KVH} D={D} B={BS}' + (' softcap' if cap else '')
             dp = A.plan_attention(64, H, KVH, D, BS, 1, 2048, 132, arch, elem)
             out.append((f'decode {tag}', A._paged_decode_kernel, attn_sig(dt),
                         dict(c, ROWS=max(16, P2(G)), BLOCK_N=dp.block_n), arch, dp.num_warps, dp.num_stages))
             msig = dict(attn_sig(dt), O_PART='*fp32', LSE_PART='*fp32')
             msig = {k: msig[k] for k in ['Q', 'K', 'V', 'O', 'O_PART', 'LSE_PART', 'BLOCK_TABLES', 'SEQ_LENS', 'QSL',
-                                         'TRACE', 'qk_scale', 'bt_stride']}
+                                         'TRACE', 'qk_scale', 'bt_stride', 'window', 'softcap']}
             mp = A.plan_attention(4, H, KVH, D, BS, 512, 512, 132, arch, elem)
             out.append((f'multi {tag}', A._paged_attention_kernel, msig,
                         dict(c, G_PAD=P2(G), BLOCK_M=mp.block_m, ROWS=max(16, mp.block_m * P2(G)), BLOCK_N=mp.block_n,
@@ -86,7 +89,7 @@ def cases(quick):
         if arch < 90: continue                        # the naive kernel is slow to compile: once per dtype on sm_90
         out.append((f'naive {dt} sm_{arch} ctx 1024', A._decode_naive_kernel,
                     {k: v for k, v in attn_sig(dt).items() if k != 'TRACE'},
-                    dict(H=32, KVH=8, G=4, D=128, D_PAD=128, BS=16, CTX_PAD=1024), arch, 4, 1))
+                    dict(H=32, KVH=8, G=4, D=128, D_PAD=128, BS=16, CTX_PAD=1024, SOFTCAP=True), arch, 4, 1))
     return out
 
 

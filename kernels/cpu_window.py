@@ -53,7 +53,9 @@ def machine():
     if os.path.exists('/proc/cpuinfo'):
         names = [l.split(':', 1)[1].strip() for l in open('/proc/cpuinfo') if l.startswith('model name')]
         model = names[0] if names else model
-    return f"{model}, {os.cpu_count()} logical cores; Python {platform.python_version()}, torch {torch.__version__}"
+    load = ", load average {:.1f}".format(os.getloadavg()[0]) if hasattr(os, 'getloadavg') else ""
+    return (f"{model}, {os.cpu_count()} logical cores{load}; Python {platform.python_version()}, "
+            f"torch {torch.__version__}")
 
 
 def markdown(rows, a, command):
@@ -64,9 +66,14 @@ def markdown(rows, a, command):
              f"One decode of one sequence: {a.heads} query heads, {a.kv_heads} KV heads, head_dim {a.head_dim}, "
              f"pages of {a.block_size}, float32; best of {a.reps} calls, milliseconds. Pages wholly before the "
              f"window are the null block (never read); outputs checked against the dense masked softmax.", "",
-             f"| tokens | C++ kernel, no window | C++ kernel, W={w} | torch backend, no window | torch backend, W={w} |",
+             f"| tokens | C++ kernel, no window | C++ kernel, W={w} | torch backend, no window "
+             f"| torch backend, W={w} |",
              "|---:|---:|---:|---:|---:|"]
     lines += [f"| {L} | {c0:.3f} | {c1:.3f} | {t0:.3f} | {t1:.3f} |" for L, c0, c1, t0, t1 in rows]
+    base = next((r for r in rows if r[0] >= w), rows[0])                  # the first length that fills the window
+    grow = [rows[-1][i] / base[i] for i in range(1, 5)]
+    lines += ["", f"From {base[0]} to {rows[-1][0]} tokens the time grew {grow[0]:.1f}x with no window and "
+              f"{grow[1]:.1f}x with W={w} (C++ kernel); {grow[2]:.1f}x and {grow[3]:.1f}x (torch backend)."]
     return "\n".join(lines) + "\n"
 
 

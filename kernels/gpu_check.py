@@ -8,7 +8,11 @@
 3. **the kernel lab's bandwidth table** (`kernels/lab.py --quick`): decode GB/s against the device's peak;
 4. **an engine throughput run**: the offline workload of `pagednb bench` on CUDA, per backend;
 5. **decode graphs**: greedy tokens with `cudagraph_capture_sizes` against eager ones (every id compared), and the
-   decode throughput of both on 64 short requests.
+   decode throughput of both on 64 short requests;
+6. **sliding windows and soft caps**: every Triton variant (naive, decode, decode-split, multi, multi-split) and the
+   torch backend against the spec in float32, float16 and bfloat16, windows below, at and above a page (pages of 16
+   and 32; pages before the window are the NaN null block), soft cap on and off; and one long decode (8,192 tokens)
+   timed with no window and with a window of 1,024.
 
 Each step runs in its own subprocess with its own time limit, so that one failure or hang does not hide the others.
 The figures go to `kernels/results/gpu-check-<device>.json` and `.md`, with the device name and the torch and
@@ -20,7 +24,7 @@ ROOT = os.path.dirname(HERE)
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "A short list of prime numbers: 2, 3, 5,",
            "Once upon a time, in a small village by the sea,"]
 BACKENDS = ("torch", "triton")
-STEP_LIMITS = dict(equality=110, notebooks=110, lab=120, throughput=80, graphs=80)   # seconds: 8.3 min at most
+STEP_LIMITS = dict(equality=100, notebooks=100, lab=120, throughput=70, graphs=70, window=40)   # 8.3 min at most
 
 def _result(obj): print("GPU_CHECK_RESULT " + json.dumps(obj, default=str), flush=True)
 
@@ -139,6 +143,56 @@ def step_graphs(quick):
     same = tokens["eager"] == tokens["graphs"]
     return dict(ok=same and rows[1]["captured"] > 0, same_tokens=same, requests=len(prompts), rows=rows)
 
+WINDOW_TOL = dict(float32=(1e-4, 1e-4), float16=(2e-3, 2e-3), bfloat16=(1.6e-2, 1.6e-2))   # atol, rtol vs the spec
+
+def window_cases(quick):
+    "(block size, window, soft cap): windows below, at and above a page, capped and not."
+    cases = [(bs, w, cap) for bs in (16, 32) for w in (5, bs, 2 * bs + 3) for cap in (None, 30.0)]
+    return cases[::3] if quick else cases
+
+def step_window(quick, device="cuda"):
+    "The window and soft-cap paths of every Triton variant and the torch backend against the spec; a long decode timed."
+    import torch
+    from pagednb.attention import make_paged_problem, paged_attention, paged_attention_spec
+    rows = []
+    dtypes = ("float32", "bfloat16") if quick else ("float32", "float16", "bfloat16")
+    for dt in dtypes:
+        for bs, w, cap in window_cases(quick):
+            atol, rtol = WINDOW_TOL[dt]
+            for name, lens, qlens, runs in (
+                    ("decode", [700, 33, 9, 1], None, [("naive", None), ("decode", None), ("decode", 4)]),
+                    ("mixed", [700, 90, 45, 300], [1, 90, 6, 40], [(None, None), ("multi", 3)])):
+                p = make_paged_problem(lens, query_lens=qlens, num_heads=8, num_kv_heads=2, head_dim=64, block_size=bs,
+                                       dtype=getattr(torch, dt), device=device, sliding_window=w, softcap=cap).fill()
+                q, kc, vc, *meta = p.args
+                want = paged_attention_spec(q.float(), kc.float(), vc.float(), *meta, **p.kw)
+                for backend, variant, splits in [("torch", None, None)] + [("triton", v, n) for v, n in runs]:
+                    kw = dict(variant=variant, num_splits=splits) if backend == "triton" else {}
+                    if variant == "naive" and max(lens) > 4096: continue
+                    out = paged_attention(*p.args, backend=backend, **kw, **p.kw).float()
+                    err = (out - want).abs().max().item()
+                    close = (out - want).abs() <= atol + rtol * want.abs()
+                    ok = bool(torch.isfinite(out).all()) and bool(close.all())
+                    rows.append(dict(dtype=dt, block_size=bs, window=w, softcap=cap, batch=name, backend=backend,
+                                     variant=variant or "auto", splits=splits, max_err=f"{err:.1e}", ok=ok))
+    timing = window_timing(device) if device == "cuda" else []
+    return dict(ok=all(r["ok"] for r in rows), cases=len(rows), failed=[r for r in rows if not r["ok"]][:20],
+                timing=timing)
+
+def window_timing(device, L=8192, window=1024):
+    "One decode of an L-token sequence, bf16, SmolLM2's heads: microseconds with no window and with `window`."
+    import torch
+    from triton.testing import do_bench
+    from pagednb.attention import make_paged_problem, paged_attention
+    rows = []
+    for w in (None, window):
+        p = make_paged_problem([L], num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.bfloat16,
+                               device=device, sliding_window=w).fill()
+        for backend in ("triton", "torch"):
+            f = lambda: paged_attention(*p.args, backend=backend, max_query_len=1, max_seq_len=L, **p.kw)
+            rows.append(dict(tokens=L, window=w, backend=backend, us=round(do_bench(f, warmup=5, rep=30) * 1e3, 1)))
+    return rows
+
 # ---- the driver --------------------------------------------------------------------------------------------------
 
 def run_step(name, quick, limit):
@@ -191,6 +245,12 @@ def markdown(res):
         g = s["graphs"]
         L += ["", f"## Decode graphs ({g['requests']} requests; same tokens as eager: {g['same_tokens']})", ""]
         L += _md_table(g["rows"], ["mode", "captured", "seconds", "output_tok_s"])
+    if s.get("window", {}).get("cases"):
+        w = s["window"]
+        L += ["", f"## Sliding windows and soft caps ({w['cases']} cases against the spec; all ok: {w['ok']})", ""]
+        if w.get("failed"): L += _md_table(w["failed"], ["dtype", "block_size", "window", "softcap", "batch", "backend",
+                                                          "variant", "splits", "max_err"])
+        if w.get("timing"): L += [""] + _md_table(w["timing"], ["tokens", "window", "backend", "us"])
     errors = [f"- {k}: {v.get('error')}\n\n```\n{v.get('tail') or ''}\n```" for k, v in s.items() if v.get("error")]
     return "\n".join(L + ([""] + errors if errors else [])) + "\n"
 
@@ -212,7 +272,7 @@ def main(argv=None):
         deadline = time.time() + (a.limit or 300)
         fn = dict(equality=lambda: step_equality(a.quick), notebooks=lambda: step_notebooks(a.quick, deadline),
                   lab=lambda: step_lab(a.quick, deadline), throughput=lambda: step_throughput(a.quick),
-                  graphs=lambda: step_graphs(a.quick))[a.step]
+                  graphs=lambda: step_graphs(a.quick), window=lambda: step_window(a.quick))[a.step]
         _result(fn())
         return 0
     steps = [s.strip() for s in a.only.split(",") if s.strip()]

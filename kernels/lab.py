@@ -90,8 +90,12 @@ def random_case(rng):
         shared = rng.randint(0, room) if room > 0 else 0
     dtypes = [torch.float16, torch.float32] + ([torch.bfloat16] if not GPU or torch.cuda.is_bf16_supported() else [])
     dtype = rng.choice(dtypes) if GPU else rng.choice([torch.float32, torch.float32, torch.float16, torch.bfloat16])
+    # a layer's sliding window (below, at or above a page; pages before it become the NaN null block) and soft cap
+    window = rng.choice([1, 5, bs, 2 * bs + 3, rng.randint(1, max(lens))]) if rng.random() < 0.4 else None
+    softcap = rng.choice([5.0, 30.0]) if rng.random() < 0.3 else None
     return dict(kind=kind, seq_lens=lens, query_lens=qlens, num_heads=kvh * group, num_kv_heads=kvh, head_dim=D,
-                block_size=bs, dtype=dtype, shared_prefix=shared, seed=rng.randrange(2**31))
+                block_size=bs, dtype=dtype, shared_prefix=shared, seed=rng.randrange(2**31), sliding_window=window,
+                softcap=softcap)
 
 
 def make(case, device):
@@ -101,7 +105,7 @@ def make(case, device):
 
 def spec32(p):
     q, kc, vc, bt, sl, qsl, sc = p.args
-    return A.paged_attention_spec(q.float(), kc.float(), vc.float(), bt, sl, qsl, sc)
+    return A.paged_attention_spec(q.float(), kc.float(), vc.float(), bt, sl, qsl, sc, **p.kw)
 
 
 def attention_versions(case, rng):
@@ -110,13 +114,13 @@ def attention_versions(case, rng):
     decode = mq == 1
     splits = rng.randint(2, 6)
     out = []
-    if decode and ml <= 4096: out.append(('v1-naive', lambda p: A.paged_decode_naive(*p.args, max_seq_len=ml)))
-    if decode: out.append(('v2-decode', lambda p: A.paged_decode(*p.args)))
-    out.append(('v3-multi', lambda p: A.paged_attention_multi(*p.args, max_query_len=mq)))
+    if decode and ml <= 4096: out.append(('v1-naive', lambda p: A.paged_decode_naive(*p.args, max_seq_len=ml, **p.kw)))
+    if decode: out.append(('v2-decode', lambda p: A.paged_decode(*p.args, **p.kw)))
+    out.append(('v3-multi', lambda p: A.paged_attention_multi(*p.args, max_query_len=mq, **p.kw)))
     out.append((f'v3-split', lambda p: A.paged_attention_multi(*p.args, max_query_len=mq, num_splits=splits,
-                                                                 block_m=1 if decode else None)))
-    out.append(('auto-triton', lambda p: A.paged_attention(*p.args, backend='triton', debug=True)))
-    out.append(('torch-backend', lambda p: A.paged_attention(*p.args, backend='torch')))
+                                                                 block_m=1 if decode else None, **p.kw)))
+    out.append(('auto-triton', lambda p: A.paged_attention(*p.args, backend='triton', debug=True, **p.kw)))
+    out.append(('torch-backend', lambda p: A.paged_attention(*p.args, backend='torch', **p.kw)))
     return out
 
 
@@ -148,7 +152,8 @@ def validate(n_cases, seed, device):
         bad = [r['version'] for r in rows if r['case'] == i and not r['ok']]
         print(f"case {i:3d} {case['kind']:7s} S={len(case['seq_lens'])} L<={max(case['seq_lens']):5d} "
               f"H={case['num_heads']:2d}/{case['num_kv_heads']} D={case['head_dim']:3d} B={case['block_size']:3d} "
-              f"{str(case['dtype'])[6:]:8s} shared={case['shared_prefix']:3d}: {'ok' if not bad else 'FAIL ' + ', '.join(bad)}",
+              f"{str(case['dtype'])[6:]:8s} shared={case['shared_prefix']:3d} W={case['sliding_window']} "
+              f"cap={case['softcap']}: {'ok' if not bad else 'FAIL ' + ', '.join(bad)}",
               flush=True)
     return rows
 

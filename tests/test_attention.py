@@ -278,7 +278,8 @@ def windowed(block_size, window, softcap, seed=0, head_dim=16, heads=4, kv_heads
 def test_window_convention_matches_transformers():
     from transformers.masking_utils import sliding_window_overlay, causal_mask_function
     overlay, W = sliding_window_overlay(4), 4
-    hf = torch.tensor([[causal_mask_function(0, 0, q, k) and overlay(0, 0, q, k) for k in range(10)] for q in range(10)])
+    sees = lambda q, k: causal_mask_function(0, 0, q, k) and overlay(0, 0, q, k)
+    hf = torch.tensor([[sees(q, k) for k in range(10)] for q in range(10)])
     test = A.visible(torch.arange(10)[:, None], torch.arange(10)[None, :], W)
     assert torch.equal(hf, test)
     assert test.sum(1).tolist() == [1, 2, 3, 4] + [4] * 6                # W tokens including the query itself
@@ -382,6 +383,7 @@ def test_window_plan():
 @pytest.mark.parametrize('backend', BACKENDS)
 def test_bad_window_args(backend):
     p = mixed()
-    for kw, msg in [(dict(sliding_window=0), 'sliding_window must be'), (dict(sliding_window=2.5), 'sliding_window must'),
-                    (dict(softcap=0.0), 'softcap must be'), (dict(softcap=float('inf')), 'softcap must be')]:
+    bad = [(dict(sliding_window=0), 'sliding_window must be'), (dict(sliding_window=2.5), 'sliding_window must'),
+           (dict(softcap=0.0), 'softcap must be'), (dict(softcap=float('inf')), 'softcap must be')]
+    for kw, msg in bad:
         with pytest.raises(ValueError, match=msg): paged_attention(*p.args, backend=backend, **kw)

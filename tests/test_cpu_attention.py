@@ -225,7 +225,8 @@ def test_window_and_softcap_match_dense(shape, seed):
         dense = contiguous_attention(p)           # pages wholly before the window are the NaN null block
         for wide in (True, False):
             out = C.paged_attention_cpu(*p.args, wide=wide, **p.kw)
-            torch.testing.assert_close(out, dense, atol=2e-5, rtol=2e-5, msg=lambda m: f"W={W} cap={cap} wide={wide}: {m}")
+            said = lambda m: f"W={W} cap={cap} wide={wide}: {m}"
+            torch.testing.assert_close(out, dense, atol=2e-5, rtol=2e-5, msg=said)
 
 def test_window_kernel_step_and_torch_backend_agree():
     p = make_paged_problem([13, 300, 40, 45, 9, 120], [1, 4, 40, 20, 1, 1], num_heads=6, num_kv_heads=2, head_dim=64,
@@ -267,7 +268,9 @@ def test_window_decode_time_stops_growing():
         C.paged_attention_cpu(*p.args, checked=True, **kw)
         ts = []
         for _ in range(7):
-            t = time.perf_counter(); C.paged_attention_cpu(*p.args, checked=True, **kw); ts.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            C.paged_attention_cpu(*p.args, checked=True, **kw)
+            ts.append(time.perf_counter() - t)
         return min(ts)
     n = torch.get_num_threads()
     try:
