@@ -21,8 +21,7 @@ class CacheReader:
         self.slots = (t[pos//block_size]*block_size + pos % block_size).to(kv_cache.device)
     def __call__(self, layer, q, k, v):
         import torch
-        kc, vc = (self.kv[j, layer].flatten(0, 1)[self.slots].float() for j in (0,
-                                                                                1))   # [n, kv heads, head dim]
+        kc, vc = (self.kv[j, layer].flatten(0, 1)[self.slots].float() for j in (0, 1))   # [n, kv heads, head dim]
         g = q.shape[1]//kc.shape[1]
         kc, vc = kc.repeat_interleave(g, 1), vc.repeat_interleave(g, 1)
         w = torch.softmax(torch.einsum("hd,nhd->hn", q[0].float(), kc)*self.scale, -1)
@@ -48,7 +47,8 @@ def _live_seq(engine, seq_id, position):
                          "and look before it finishes (step the engine with engine.step())")
     n = seq.num_computed_tokens
     pos = n - 1 if position is None else position
-    if not 0 <= pos < n: raise ValueError(f"position={position!r}: seq {seq_id} has K/V cached for positions 0..{n - 1}")
+    if not 0 <= pos < n:
+        raise ValueError(f"position={position!r}: seq {seq_id} has K/V cached for positions 0..{n - 1}")
     return seq, pos
 
 # %% ../nbs/08d_attention_views.ipynb #h18-w-tokattn
@@ -59,30 +59,34 @@ def token_attention(llm, seq_id: int, position: int | None = None) -> dict:
     seq, pos = _live_seq(e, seq_id, position)
     r, bs = e.runner, e.block_manager.block_size
     reader = CacheReader(r.kv_cache, seq.block_table, bs, pos + 1, r.attn.scale)
-    with torch.inference_mode():
-        r.model(torch.tensor([seq.token_ids[pos]], device=r.device), torch.tensor([pos],
-                                                                                  device=r.device), reader)
+    token, where = torch.tensor([seq.token_ids[pos]], device=r.device), torch.tensor([pos], device=r.device)
+    with torch.inference_mode(): r.model(token, where, reader)
     w = torch.stack(reader.weights).cpu()                             # [layers, heads, pos + 1]
     return dict(seq_id=seq_id, position=pos, token_ids=list(seq.token_ids[:pos + 1]), weights=w,
                 block_table=list(seq.block_table[:pos//bs + 1]), pages=page_mass(w, bs, r.kv_cache.shape[-2]))
 
 # %% ../nbs/08d_attention_views.ipynb #h18-w-attncells
+def _attention_tip(e, r: dict, layer: int, g: int, lg: int, b: int, mass: float, w) -> str:
+    "Hover text of one heatmap cell: the token, the page (logical and physical), its mass, its strongest token."
+    bs = e.block_manager.block_size
+    top = lg*bs + int(w[g, lg*bs:(lg + 1)*bs].argmax())
+    strongest = _esc(repr(e.tokenizer.decode([r["token_ids"][top]])))
+    refs = e.block_manager.blocks[b].ref_count
+    return (f"seq {r['seq_id']} token {r['position']} · layer {layer} · kv group {g}<br>"
+            f"physical page {b} = its logical page {lg} (ref_count {refs}): {mass:.1%}<br>"
+            f"strongest token there: {strongest} {float(w[g, top]):.1%}")
+
 def _attention_cells(e, res, cols, layer):
     "Heatmap rows (one per token and kv group) at `layer`: the mass on each physical page and its hover text."
-    bs, tok, z, hov = e.block_manager.block_size, e.tokenizer, [], []
-    refs = [b.ref_count for b in e.block_manager.blocks]
+    z, hov = [], []
     for r in res:
         G = r["pages"].shape[1]
         w = r["weights"][layer].view(G, -1, r["weights"].shape[-1]).mean(1)   # [groups, positions]
         for g in range(G):
             row, tip = [None]*len(cols), [""]*len(cols)
             for lg, b in enumerate(r["block_table"]):
-                seg = w[g, lg*bs:(lg + 1)*bs]
-                top = lg*bs + int(seg.argmax())
                 row[cols[b]] = round(float(r["pages"][layer, g, lg]), 4)
-                tip[cols[b]] = (f"seq {r['seq_id']} token {r['position']} · layer {layer} · kv group {g}<br>"
-                                f"physical page {b} = its logical page {lg} (ref_count {refs[b]}): {row[cols[b]]:.1%}<br>"
-                                f"strongest token there: {_esc(repr(tok.decode([r['token_ids'][top]])))} {float(w[g, top]):.1%}")
+                tip[cols[b]] = _attention_tip(e, r, layer, g, lg, b, row[cols[b]], w)
             z.append(row)
             hov.append(tip)
     return z, hov
@@ -93,7 +97,8 @@ def page_attention(llm, queries=None):
     go = _go()
     e = getattr(llm, "engine", llm)
     queries = [(s.seq_id, None) for s in e.scheduler.running] if queries is None else queries
-    if not queries: raise ValueError("no queries: pass [(seq_id, position), ...] or step the engine until a request runs")
+    if not queries:
+        raise ValueError("no queries: pass [(seq_id, position), ...] or step the engine until a request runs")
     res = [token_attention(e, sid, pos) for sid, pos in queries]
     nb = e.block_manager.num_blocks
     shown = list(range(nb)) if nb <= 48 else sorted({b for r in res for b in r["block_table"]})
@@ -101,15 +106,13 @@ def page_attention(llm, queries=None):
     ylab = [f"<span style='color:{seq_color(r['seq_id'])}'>seq {r['seq_id']} @{r['position']} g{g}</span>"
             for r in res for g in range(G)]
     z, hov = _attention_cells(e, res, cols, 0)
-    fig = go.Figure(go.Heatmap(z=z, x=[str(b) for b in shown], y=ylab, text=hov, hoverinfo="text",
-                               zmin=0, zmax=1,
-                               colorscale="YlOrRd", xgap=2, ygap=2, colorbar=dict(thickness=10,
-                                                                                  tickformat=".0%")))
+    bar = dict(thickness=10, tickformat=".0%")
+    fig = go.Figure(go.Heatmap(z=z, x=[str(b) for b in shown], y=ylab, text=hov, hoverinfo="text", zmin=0, zmax=1,
+                               colorscale="YlOrRd", xgap=2, ygap=2, colorbar=bar))
     fig.frames = [go.Frame(name=str(l), data=[go.Heatmap(z=c[0], text=c[1])], traces=[0])
                   for l, c in ((l, _attention_cells(e, res, cols, l)) for l in range(L))]
     _animation_controls(fig, L, prefix="layer ")
-    fig.update_layout(width=min(MAX_WIDTH, 230 + 24*len(shown)), height=230 + 20*len(ylab),
-                      plot_bgcolor="white",
+    fig.update_layout(width=min(MAX_WIDTH, 230 + 24*len(shown)), height=230 + 20*len(ylab), plot_bgcolor="white",
                       title=dict(text="attention over the physical pages, per layer", font=dict(size=13)),
                       margin=dict(l=130, r=10, t=40, b=120))
     fig.update_xaxes(title=dict(text="physical page", font=dict(size=10)), type="category")

@@ -89,7 +89,7 @@ def _cvp_layout(fig, title: str, top: int):
 
 # %% ../nbs/08c_compare_views.ipynb #94ba321e
 def contiguous_vs_paged(trace: Trace, reserve: str = "max_model_len"):
-    "Animated figure: per step, the paged pool's slots against a contiguous slab per running request, for the same pool size."
+    "Animated figure: per step, the paged pool's slots against a contiguous slab per running request, same pool size."
     go, m = _go(), trace.meta
     if reserve not in ("max_model_len", "max_tokens"):
         raise ValueError(f"reserve must be 'max_model_len' or 'max_tokens', got {reserve!r}")
@@ -104,8 +104,34 @@ def contiguous_vs_paged(trace: Trace, reserve: str = "max_model_len"):
     return fig
 
 # %% ../nbs/08c_compare_views.ipynb #9bdbae27
+def _sankey_nodes(seqs: list, used: list, blocks: dict) -> tuple:
+    "The Sankey's nodes: each sequence, then each page it uses (×n and dark grey when n tables share it)."
+    shared = lambda b: blocks[b]["ref_count"] > 1
+    pages = [f"page {b}" + (f" ×{blocks[b]['ref_count']}" if shared(b) else "") for b in used]
+    page_colors = ["#333" if shared(b) else seq_color(blocks[b]["owners"][0][0]) for b in used]
+    return [f"seq {s['seq_id']}" for s in seqs] + pages, [seq_color(s["seq_id"]) for s in seqs] + page_colors
+
+def _rgba(color: str, alpha: str) -> str:
+    "`#rrggbb` as `rgba(r,g,b,alpha)`, `alpha` as written."
+    c = color.lstrip("#")
+    return f"rgba({int(c[:2], 16)},{int(c[2:4], 16)},{int(c[4:], 16)},{alpha})"
+
+# %% ../nbs/08c_compare_views.ipynb #3ea6dee1
+def _sankey_links(seqs: list, node: dict) -> dict:
+    "A link from each sequence to the page of each of its logical pages, in the sequence's colour."
+    src, dst, val, col, hov = [], [], [], [], []
+    for s in seqs:
+        for lg, p in enumerate(s["pages"]):
+            src.append(node[("s", s["seq_id"])])
+            dst.append(node[("b", p["block"])])
+            val.append(1)
+            col.append(_rgba(seq_color(s["seq_id"]), ".45"))
+            hov.append(f"seq {s['seq_id']} page {lg} → {p['block']}: {_esc(repr(p['text']))}")
+    return dict(source=src, target=dst, value=val, color=col, customdata=hov,
+                hovertemplate="%{customdata}<extra></extra>")
+
 def prefix_sharing(trace: Trace, i: int | None = None):
-    "Sankey of block tables at step `i` (default: the most sharing): sequences on the left, physical pages on the right."
+    "Sankey of block tables at step `i` (default: the most sharing): sequences left, physical pages right."
     go = _go()
     if i is None: i = max(range(len(trace)), key=lambda k: sum(r for r in trace.steps[k]["ref"] if r > 1))
     v = trace.step(i)
@@ -114,19 +140,12 @@ def prefix_sharing(trace: Trace, i: int | None = None):
     node = {("s", s["seq_id"]): k for k, s in enumerate(seqs)}
     node.update({("b", b): len(seqs) + k for k, b in enumerate(used)})
     blocks = {b["id"]: b for b in v["blocks"]}
-    labels = [f"seq {s['seq_id']}" for s in seqs] + [f"page {b}" + (f" ×{blocks[b]['ref_count']}" if blocks[b]["ref_count"] > 1 else "") for b in used]
-    colors = [seq_color(s["seq_id"]) for s in seqs] + ["#333" if blocks[b]["ref_count"] > 1 else seq_color(blocks[b]["owners"][0][0]) for b in used]
-    src, dst, val, col, hov = [], [], [], [], []
-    for s in seqs:
-        for lg, p in enumerate(s["pages"]):
-            src.append(node[("s", s["seq_id"])]); dst.append(node[("b", p["block"])]); val.append(1)
-            c = seq_color(s["seq_id"]).lstrip("#"); col.append(f"rgba({int(c[:2], 16)},{int(c[2:4], 16)},{int(c[4:], 16)},.45)")
-            hov.append(f"seq {s['seq_id']} page {lg} → {p['block']}: {_esc(repr(p['text']))}")
+    labels, colors = _sankey_nodes(seqs, used, blocks)
     shared = [b for b in used if blocks[b]["ref_count"] > 1]
-    fig = go.Figure(go.Sankey(arrangement="fixed", node=dict(label=labels, color=colors, pad=6, thickness=14),
-                              link=dict(source=src, target=dst, value=val, color=col, customdata=hov, hovertemplate="%{customdata}<extra></extra>")))
-    fig.update_layout(title=dict(text=f"step {i}: {len(seqs)} sequences share pages {shared}", font=dict(size=13)), height=420, width=MAX_WIDTH,
-                      margin=dict(l=10, r=10, t=40, b=10))
+    nodes = dict(label=labels, color=colors, pad=6, thickness=14)
+    fig = go.Figure(go.Sankey(arrangement="fixed", node=nodes, link=_sankey_links(seqs, node)))
+    title = dict(text=f"step {i}: {len(seqs)} sequences share pages {shared}", font=dict(size=13))
+    fig.update_layout(title=title, height=420, width=MAX_WIDTH, margin=dict(l=10, r=10, t=40, b=10))
     return fig
 
 # %% ../nbs/08c_compare_views.ipynb #h18-w-metrics
@@ -136,13 +155,13 @@ def trace_metrics(trace: Trace, i: int | None = None, lat: dict | None = None) -
     if not st: raise ValueError("the trace has no steps: run the engine with the trace attached first")
     last = len(st) - 1 if i is None else max(0, min(int(i), len(st) - 1))
     lat = trace.latency() if lat is None else lat
-    ttft = [v["ttft"] for v in lat.values() if v["ttft"] is not None and (i is None or v["times"][0] <= st[last]["time"])]
+    seen = lambda v: v["ttft"] is not None and (i is None or v["times"][0] <= st[last]["time"])
+    ttft = [v["ttft"] for v in lat.values() if seen(v)]
     used = [s["state"].count("u") for s in st]
     waste = [s["kv"]["waste"] for s in st]
     return {"pages in use": max(used) if i is None else used[last],
             "KV waste": round(sum(waste)/len(waste), 4) if i is None else waste[last],
-            "preemptions": sum(len(s["preempted"]) for s in st[:last + 1]),
-                "hit rate": st[last]["kv"]["hit_rate"],
+            "preemptions": sum(len(s["preempted"]) for s in st[:last + 1]), "hit rate": st[last]["kv"]["hit_rate"],
             "steps": last + 1, "TTFT (s)": round(sum(ttft)/len(ttft), 4) if ttft else None}
 
 # %% ../nbs/08c_compare_views.ipynb #h18-w-diff
@@ -200,32 +219,33 @@ def _diff_line(d: dict) -> str:
     return " · ".join(f"{k} {fmt(k, v['a'])} vs {fmt(k, v['b'])}" for k, v in d.items())
 
 # %% ../nbs/08c_compare_views.ipynb #h18-w-compare
+def _compare_figure(traces: tuple, grids: list, names) -> tuple:
+    "The empty 3-row grid of `compare`: the two pools, pages used over the run, the table; and its row heights."
+    from plotly.subplots import make_subplots
+    ka, kb = _knobs(traces[0].meta, traces[1].meta)
+    hs = [max(g["rows"]*g["cell"] for g in grids) + 30, 200, 120]
+    specs = [[{}, {}], [{"colspan": 2}, None], [{"type": "table", "colspan": 2}, None]]
+    titles = (f"{names[0]}: {ka}", f"{names[1]}: {kb}", "KV pages used (A solid, B dashed)")
+    fig = make_subplots(rows=3, cols=2, vertical_spacing=.1, horizontal_spacing=.06,
+                        row_heights=[h/sum(hs) for h in hs], specs=specs, subplot_titles=titles)
+    return fig, hs
+
 def compare(trace_a: Trace, trace_b: Trace, align: str = "step", names=("A", "B")):
     "Two traces of the same prompts side by side, one slider, aligned by step or time, with their differences."
-    from plotly.subplots import make_subplots
-    go = _go()
-    for t in (trace_a, trace_b):
-        if not isinstance(t,
-                          Trace): raise TypeError(f"compare needs two Trace objects, got {type(t).__name__}")
+    go, traces = _go(), (trace_a, trace_b)
+    for t in traces:
+        if not isinstance(t, Trace): raise TypeError(f"compare needs two Trace objects, got {type(t).__name__}")
         if not len(t): raise ValueError("compare needs traces with steps: one of them is empty")
     frames = aligned_steps(trace_a, trace_b, align)
     lats = (trace_a.latency(), trace_b.latency())
-    grids = [_pool_grid(t.meta["num_blocks"], (MAX_WIDTH - 60)/2) for t in (trace_a, trace_b)]
-    ka, kb = _knobs(trace_a.meta, trace_b.meta)
-    pool_h = max(g["rows"]*g["cell"] for g in grids) + 30
-    hs = [pool_h, 200, 120]
-    fig = make_subplots(rows=3, cols=2, vertical_spacing=.1, horizontal_spacing=.06,
-                        row_heights=[h/sum(hs) for h in hs],
-                        specs=[[{}, {}], [{"colspan": 2}, None], [{"type": "table", "colspan": 2}, None]],
-                        subplot_titles=(f"{names[0]}: {ka}", f"{names[1]}: {kb}",
-                                        "KV pages used (A solid, B dashed)"))
-    _compare_traces(fig, go, (trace_a, trace_b), grids, align, names)
+    grids = [_pool_grid(t.meta["num_blocks"], (MAX_WIDTH - 60)/2) for t in traces]
+    fig, hs = _compare_figure(traces, grids, names)
+    _compare_traces(fig, go, traces, grids, align, names)
     _compare_table(fig, go, differences(trace_a, trace_b, lats=lats), names)
-    _compare_frames(fig, go, (trace_a, trace_b), grids, frames, lats, align)
+    _compare_frames(fig, go, traces, grids, frames, lats, align)
     fig.update_layout(width=MAX_WIDTH, height=int(sum(hs) + 330), plot_bgcolor="white", showlegend=False,
                       margin=dict(l=40, r=10, t=100, b=130))
-    fig.layout.meta = dict(frames=[list(f) for f in frames], differences=differences(trace_a, trace_b,
-                                                                                     lats=lats))
+    fig.layout.meta = dict(frames=[list(f) for f in frames], differences=differences(trace_a, trace_b, lats=lats))
     return fig
 
 # %% ../nbs/08c_compare_views.ipynb #h18-w-cmptraces
@@ -233,35 +253,34 @@ def _compare_traces(fig, go, traces, grids, align, names):
     "The two pools (row 1), pages used over the run for each (row 2) and a cursor per trace."
     for c, (t, g) in enumerate(zip(traces, grids)):
         sq = dict(symbol="square", size=g["cell"] - 3)
-        fig.add_trace(go.Scatter(mode="markers", marker=sq, hoverinfo="text", showlegend=False), row=1,
-                      col=c + 1)
+        fig.add_trace(go.Scatter(mode="markers", marker=sq, hoverinfo="text", showlegend=False), row=1, col=c + 1)
         fig.update_xaxes(visible=False, range=[-.6, g["cols"] - .4], fixedrange=True, row=1, col=c + 1)
         fig.update_yaxes(visible=False, range=[g["rows"] - .4, -.6], fixedrange=True, row=1, col=c + 1)
     for c, t in enumerate(traces):
         xs = list(range(len(t))) if align == "step" else [s["time"] for s in t.steps]
         ys = [s["state"].count("u")/t.meta["num_blocks"] for s in t.steps]
-        fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", name=f"{names[c]}: pages used",
-                                 line=dict(color="black", dash="solid" if c == 0 else "dash")), row=2, col=1)
+        line = dict(color="black", dash="solid" if c == 0 else "dash")
+        fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", name=f"{names[c]}: pages used", line=line), row=2, col=1)
     for c in range(2):
-        fig.add_trace(go.Scatter(mode="lines", line=dict(color="#d62728" if c else "#1f77b4", width=1),
-                                 showlegend=False,
-                                 hoverinfo="skip"), row=2, col=1)
+        cursor = dict(color="#d62728" if c else "#1f77b4", width=1)
+        fig.add_trace(go.Scatter(mode="lines", line=cursor, showlegend=False, hoverinfo="skip"), row=2, col=1)
     fig.update_yaxes(range=[0, 1.05], tickformat=".0%", gridcolor="#eee", fixedrange=True, row=2, col=1)
-    fig.update_xaxes(title=dict(text="step" if align == "step" else "seconds", font=dict(size=10)),
-                     row=2, col=1)
+    axis = dict(text="step" if align == "step" else "seconds", font=dict(size=10))
+    fig.update_xaxes(title=axis, row=2, col=1)
 
 # %% ../nbs/08c_compare_views.ipynb #h18-w-cmptable
+def _signed(k: str, x) -> str:
+    "A change in the table: a percentage for KV waste and hit rate, signed when negative; '–' when unknown."
+    if x is None: return "–"
+    if k in ("KV waste", "hit rate"): return f"{x:+.0%}" if x and x < 0 else f"{x:.0%}"
+    return f"{x:+g}" if x and x < 0 else f"{x:g}"
+
 def _compare_table(fig, go, d, names):
     "The whole run's differences as a table: a row for A, one for B, one for the change."
-    fmt = lambda k, x: "–" if x is None else f"{x:+.0%}" if k in ("KV waste",
-                                                                  "hit rate") and x and x < 0 else \
-        f"{x:.0%}" if k in ("KV waste", "hit rate") else f"{x:+g}" if x and x < 0 else f"{x:g}"
     head = ["whole run", "pages (peak)", "KV waste (mean)", "preemptions", "hit rate", "steps", "TTFT (s)"]
-    cols = [[names[0], names[1], "change"]] + [[fmt(k, v["a"]), fmt(k, v["b"]), fmt(k,
-                                                                                    v["delta"])] for k,
-                                                                                        v in d.items()]
-    fig.add_trace(go.Table(header=dict(values=head, font=dict(size=10), fill_color="#eee"),
-                           columnwidth=[1.1] + [1]*6,
+    rows = [[_signed(k, v["a"]), _signed(k, v["b"]), _signed(k, v["delta"])] for k, v in d.items()]
+    cols = [[names[0], names[1], "change"]] + rows
+    fig.add_trace(go.Table(header=dict(values=head, font=dict(size=10), fill_color="#eee"), columnwidth=[1.1] + [1]*6,
                            cells=dict(values=cols, font=dict(size=10), height=22)), row=3, col=1)
 
 # %% ../nbs/08c_compare_views.ipynb #h18-w-cmpframes
@@ -276,14 +295,13 @@ def _compare_frames(fig, go, traces, grids, frames, lats, align):
                                  f"{_diff_line(differences(*traces, ia, ib, lats))}</span>")
     dyn = [0, 1, 4, 5]
     for k, d in zip(dyn, data(frames[0][1], frames[0][2])): fig.data[k].update(d)
-    fig.frames = [go.Frame(name=str(j), data=data(ia, ib), traces=dyn,
-                           layout=dict(title=dict(text=title(lab, ia, ib))))
+    titled = lambda lab, ia, ib: dict(title=dict(text=title(lab, ia, ib)))
+    fig.frames = [go.Frame(name=str(j), data=data(ia, ib), traces=dyn, layout=titled(lab, ia, ib))
                   for j, (lab, ia, ib) in enumerate(frames)]
     _animation_controls(fig, len(frames), prefix="")
-    fig.layout.sliders[0].currentvalue = dict(visible=False)
-    steps = fig.layout.sliders[0].steps
-    fig.layout.sliders[0].steps = [dict(s.to_plotly_json(), label=lab) for s, (lab, _, _) in zip(steps,
-                                                                                                 frames)]
+    slider = fig.layout.sliders[0]
+    slider.currentvalue = dict(visible=False)
+    slider.steps = [dict(s.to_plotly_json(), label=lab) for s, (lab, _, _) in zip(slider.steps, frames)]
     fig.update_layout(title=dict(text=title(*frames[0]), font=dict(size=12)))
 
 # %% ../nbs/08c_compare_views.ipynb #h18-w-pagesof
@@ -315,37 +333,37 @@ def _l2p_cells(trace, sid, t, pages, rows, bs):
             dict(x=[lg_x[-1], ph_x[-1]], y=[lg_y[-1], ph_y[-1]])]
 
 # %% ../nbs/08c_compare_views.ipynb #h18-w-l2p
+def _l2p_traces(go, shown: list, bs: int, g: float) -> list:
+    "The traces of `logical_to_physical`, empty but for the free pool: logical and physical cells, links, text, token."
+    sq = dict(symbol="square", size=30)
+    quiet = dict(hoverinfo="skip", showlegend=False)
+    pool = go.Scatter(x=[g + s for _ in shown for s in range(bs)], y=[r for r in range(len(shown)) for _ in range(bs)],
+                      mode="markers", marker=dict(sq, color=FREE_COLOR), **quiet)
+    cells = [go.Scatter(mode="markers+text", marker=sq, textfont=dict(size=9, color="white"), hoverinfo="text",
+                        showlegend=False) for _ in range(2)]
+    now = dict(symbol="square-open", size=36, line=dict(width=3, color="black"))
+    return [pool, *cells, go.Scatter(mode="lines", line=dict(color="#888", width=1), **quiet),
+            go.Scatter(mode="text", textposition="middle right", textfont=dict(size=10), **quiet),
+            go.Scatter(mode="markers", marker=now, **quiet)]
+
 def logical_to_physical(trace: Trace, seq_id: int | None = None):
-    "One request, token by token: its logical blocks filling up, each mapped through its block table to a physical block."
+    "One request, token by token: its logical blocks filling up, each mapped through its block table to a physical one."
     go = _go()
     sid = min(int(k) for k in trace.seqs) if seq_id is None and trace.seqs else seq_id
-    if str(sid) not in trace.seqs: raise ValueError(f"seq_id={seq_id!r} is not in this trace; it has {sorted(map(int, trace.seqs))}")
+    if str(sid) not in trace.seqs:
+        raise ValueError(f"seq_id={seq_id!r} is not in this trace; it has {sorted(map(int, trace.seqs))}")
     bs, nb, pages = trace.meta["block_size"], trace.meta["num_blocks"], _pages_of(trace, sid)
     shown = list(range(nb)) if nb <= 16 else sorted(set(pages))
     rows, g = {b: r for r, b in enumerate(shown)}, bs + 2.5
     n = min(len(trace.seqs[str(sid)]["token_ids"]), len(pages)*bs)       # the tokens that got a slot
     if not n: raise ValueError(f"seq {sid} never held a page in this trace")
-    sq = dict(symbol="square", size=30)
-    fig = go.Figure([go.Scatter(x=[g + s for _ in shown for s in range(bs)],
-                                y=[r for r in range(len(shown)) for _ in range(bs)],
-                                mode="markers", marker=dict(sq, color=FREE_COLOR), hoverinfo="skip",
-                                    showlegend=False),
-                     *[go.Scatter(mode="markers+text", marker=sq, textfont=dict(size=9, color="white"),
-                                  hoverinfo="text",
-                                  showlegend=False) for _ in range(2)],
-                     go.Scatter(mode="lines", line=dict(color="#888", width=1), hoverinfo="skip",
-                                showlegend=False),
-                     go.Scatter(mode="text", textposition="middle right", textfont=dict(size=10),
-                                hoverinfo="skip", showlegend=False),
-                     go.Scatter(mode="markers", marker=dict(symbol="square-open", size=36,
-                                                            line=dict(width=3, color="black")),
-                                hoverinfo="skip", showlegend=False)])
+    fig = go.Figure(_l2p_traces(go, shown, bs, g))
     _l2p_layout(fig, trace, sid, bs, len(shown), shown, g, -(-n//bs))
     frames = [_l2p_cells(trace, sid, t, pages, rows, bs) for t in range(n)]
     _apply(fig, frames[0], 1)
-    fig.frames = [go.Frame(name=str(t), data=[go.Scatter(**d) for d in f], traces=[1, 2, 3, 4, 5],
-                           layout=dict(title=dict(text=_l2p_title(trace, sid, t, pages, bs)))) for t,
-                               f in enumerate(frames)]
+    titled = lambda t: dict(title=dict(text=_l2p_title(trace, sid, t, pages, bs)))
+    fig.frames = [go.Frame(name=str(t), data=[go.Scatter(**d) for d in f], traces=[1, 2, 3, 4, 5], layout=titled(t))
+                  for t, f in enumerate(frames)]
     _animation_controls(fig, n, prefix="token ")
     fig.update_layout(title=dict(text=_l2p_title(trace, sid, 0, pages, bs), font=dict(size=12)))
     return fig

@@ -24,14 +24,17 @@ def geometry(trace: Trace, cols: int | None = None) -> dict:
     nb = trace.meta["num_blocks"]
     lanes, held, free, release, L, widest = [], {}, [], [], 0, 0
     for st in trace.steps:
-        for sid in release: free.append(held.pop(sid)); free.sort()
+        for sid in release: free.append(held.pop(sid))
+        free.sort()
         for k, s in st["seqs"].items():
-            sid = int(k); widest = max(widest, len(s["table"]))
+            sid = int(k)
+            widest = max(widest, len(s["table"]))
             if s["table"] and sid not in held:
                 held[sid] = free.pop(0) if free else L
                 L = max(L, held[sid] + 1)
         lanes.append(dict(held))
-        release = [sid for sid in held if str(sid) not in st["seqs"]]      # finished (or aborted): free the lane next step
+        # a sequence that finished (or was aborted) frees its lane at the next step
+        release = [sid for sid in held if str(sid) not in st["seqs"]]
     cols = cols or max(min(nb, 16), widest)
     y0 = L + 1 if L else 0
     return dict(lanes=lanes, num_lanes=L, cols=cols, y0=y0, rows=y0 + -(-nb//cols),
@@ -159,24 +162,32 @@ def map_panel(trace: Trace, i: int, geo: dict) -> list[dict]:
     pages = _logical_pages(v, lanes, pos, trace.meta["block_size"])
     pool = _pool_cells(v, was, pos, trace.meta["block_size"])
     new = sorted({b for table in v["plan"]["allocated"].values() for b in table})
-    freed, taken = _page_marks(pos, _freed_pages(trace, i), "freed in this step"), _page_marks(pos, new, "taken in this step")
+    freed = _page_marks(pos, _freed_pages(trace, i), "freed in this step")
+    taken = _page_marks(pos, new, "taken in this step")
     return pages + [pool, freed, taken, _lane_labels(v, lanes, geo["num_lanes"])] + _marks(trace, i, pos)
 
 # %% ../nbs/08b_figures.ipynb #92a8288e
+def _batch_tip(s: dict, kind: str) -> str:
+    "Hover text of one scheduled sequence in the batch: its kind, its positions and text, its drafts."
+    extra = f"<br>proposed {len(s['proposed'])}, accepted {s['accepted']}" if s.get("proposed") else ""
+    last = s["start"] + s["n"] - 1
+    return f"seq {s['seq']} · {kind} · positions {s['start']}–{last}<br>{_esc(repr(s['text']))}{extra}"
+
 def batch_panel(trace: Trace, i: int) -> list[dict]:
     "This step's batch: one segment per scheduled sequence on a single bar, and the token budget (fixed order)."
-    v = trace.step(i); p = v["plan"]
+    p = trace.step(i)["plan"]
     x, base, col, pat, txt, hov, at = [], [], [], [], [], [], 0
     for s in p["scheduled"]:
         kind = "recompute" if s["recompute"] else s["kind"]
-        x.append(s["n"]); base.append(at); col.append(seq_color(s["seq"]))
+        x.append(s["n"])
+        base.append(at)
+        col.append(seq_color(s["seq"]))
         pat.append({"prefill": "/", "recompute": "x", "spec": "."}.get(kind, ""))
         txt.append(f"{s['seq']}:{kind[0]}{s['n']}")
-        extra = f"<br>proposed {len(s['proposed'])}, accepted {s['accepted']}" if s.get("proposed") else ""
-        hov.append(f"seq {s['seq']} · {kind} · positions {s['start']}–{s['start'] + s['n'] - 1}<br>{_esc(repr(s['text']))}{extra}")
+        hov.append(_batch_tip(s, kind))
         at += s["n"]
-    b = p["token_budget"]
-    return [dict(x=x, y=[0]*len(x), base=base, text=txt, hovertext=hov, marker=dict(color=col, pattern=dict(shape=pat))),
+    b, marker = p["token_budget"], dict(color=col, pattern=dict(shape=pat))
+    return [dict(x=x, y=[0]*len(x), base=base, text=txt, hovertext=hov, marker=marker),
             dict(x=[b, b], y=[-.5, .5], hovertext=[f"token budget {b}"]*2)]
 
 # %% ../nbs/08b_figures.ipynb #3adb85a2
@@ -184,15 +195,19 @@ QUEUES = ("running", "waiting", "preempted", "finished")
 
 def queue_panel(trace: Trace, i: int) -> list[dict]:
     "Every sequence in each queue after step `i`, as a chip in its row (fixed order: one trace)."
-    v = trace.step(i); q = v["queues"]; by = {s["seq_id"]: s for s in v["seqs"]}
+    v = trace.step(i)
+    q, by = v["queues"], {s["seq_id"]: s for s in v["seqs"]}
     x, y, c, t, h = [], [], [], [], []
     for r, name in enumerate(QUEUES):
         for k, sid in enumerate(q[name]):
             s, e = by.get(sid), trace.seqs[str(sid)]
-            x.append(k); y.append(r); c.append(seq_color(sid))
+            x.append(k)
+            y.append(r)
+            c.append(seq_color(sid))
             t.append(f"{sid}⏸" if name == "waiting" and sid in q["recompute"] else str(sid))
             ntok = s["num_tokens"] if s else len(e["token_ids"])
-            h.append(f"seq {sid} · request {e['request']}<br>{name}: {ntok} tokens ({ntok - e['prompt_len']} generated)")
+            made = ntok - e["prompt_len"]
+            h.append(f"seq {sid} · request {e['request']}<br>{name}: {ntok} tokens ({made} generated)")
     return [dict(x=x, y=y, marker=dict(color=c), text=t, hovertext=h)]
 
 # %% ../nbs/08b_figures.ipynb #668c77f3
@@ -201,9 +216,11 @@ def memory_series(trace: Trace) -> list[dict]:
     st, nb = trace.steps, trace.meta["num_blocks"]
     xs = list(range(len(st)))
     pre = [i for i, s in enumerate(st) if s["preempted"]]
+    fill = [s["batched"]/max(1, s["budget"]) for s in st]
+    said = [f"step {i}: preempted {st[i]['preempted']}" for i in pre]
     return [dict(x=xs, y=[s["kv"]["usage"] for s in st]), dict(x=xs, y=[s["kv"]["cached_free"]/nb for s in st]),
-            dict(x=xs, y=[s["kv"]["waste"] for s in st]), dict(x=xs, y=[s["batched"]/max(1, s["budget"]) for s in st]),
-            dict(x=pre, y=[st[i]["kv"]["usage"] for i in pre], hovertext=[f"step {i}: preempted {st[i]['preempted']}" for i in pre])]
+            dict(x=xs, y=[s["kv"]["waste"] for s in st]), dict(x=xs, y=fill),
+            dict(x=pre, y=[st[i]["kv"]["usage"] for i in pre], hovertext=said)]
 
 def memory_cursor(i: int) -> dict: return dict(x=[i, i], y=[0, 1.05])
 
@@ -211,36 +228,59 @@ def memory_cursor(i: int) -> dict: return dict(x=[i, i], y=[0, 1.05])
 _FATE_CSS = dict(accepted="background:#d9f2d9", rejected="background:#fde0dd;text-decoration:line-through",
                  bonus="background:#FFD700", recovered="background:#FFD700")
 
-def summary_html(trace: Trace, i: int) -> str:
-    "What step `i` did, in words, and every live request's text so far."
-    v = trace.step(i); p = v["plan"]; n = len(trace)
-    parts = []
-    for s in p["scheduled"]:
-        kind = "recompute" if s["recompute"] else s["kind"]
-        got = v["sampled_text"].get(s["seq"])
-        parts.append(f"<span style='color:{seq_color(s['seq'])}'>■</span> seq {s['seq']} {kind} {s['n']}"
-                     + (f" → <b>{_esc(got)}</b>" if got is not None else ""))
+def _step_events(trace: Trace, i: int, p: dict, finished: list) -> list[str]:
+    "What happened at step `i` besides the batch: preemptions, prefix-cache hits, copies, drafts, finished."
     ev = []
-    if p["preempted"]: ev.append(f"<b style='color:#c00'>preempted {p['preempted']}</b>, freed pages {sorted(b for v_ in p['freed'].values() for b in v_)}")
-    if p["shared"]: ev.append("prefix-cache hits: " + ", ".join(f"seq {k} shares pages {v_}" for k, v_ in p["shared"].items()))
+    if p["preempted"]:
+        freed = sorted(b for pages in p["freed"].values() for b in pages)
+        ev.append(f"<b style='color:#c00'>preempted {p['preempted']}</b>, freed pages {freed}")
+    if p["shared"]:
+        ev.append("prefix-cache hits: " + ", ".join(f"seq {k} shares pages {v}" for k, v in p["shared"].items()))
     for c in trace.copy_on_write(i):
         ev.append(f"copy-on-write: page {c['src']} → page {c['dst']} (seq {c['seq']}), "
                   f"page {c['src']}'s ref_count {c['src_ref_before']} → {c['src_ref']}")
     for s in trace.speculation(i):
-        toks = "".join(f"<span style='{_FATE_CSS[d['fate']]}'>{_esc(d['text'])}</span>" for d in s["drafts"] + [s["kept"]])
-        ev.append(f"seq {s['seq']} drafts {toks}: {s['accepted']}/{len(s['drafts'])} accepted, {s['kept']['fate']} token")
-    if v["queues"]["finished"]: ev.append(f"finished {v['queues']['finished']}")
-    kv = v["kv"]
-    head = (f"<b>step {i + 1}/{n}</b> · {p['num_batched_tokens']}/{p['token_budget']} tokens: " + "; ".join(parts)
-            + (f"<br>{'; '.join(ev)}" if ev else "")
-            + f"<br>KV {kv['usage']:.0%} used, {kv['free']} pages free ({kv['cached_free']} cached), waste {kv['waste']:.0%}")
+        fates = s["drafts"] + [s["kept"]]
+        toks = "".join(f"<span style='{_FATE_CSS[d['fate']]}'>{_esc(d['text'])}</span>" for d in fates)
+        ev.append(f"seq {s['seq']} drafts {toks}: {s['accepted']}/{len(s['drafts'])} accepted, "
+                  f"{s['kept']['fate']} token")
+    if finished: ev.append(f"finished {finished}")
+    return ev
+
+# %% ../nbs/08b_figures.ipynb #0d9c83f7
+def _batch_line(v: dict) -> str:
+    "The step's batch in words: per scheduled sequence its kind, its tokens and the token it sampled."
+    parts = []
+    for s in v["plan"]["scheduled"]:
+        kind = "recompute" if s["recompute"] else s["kind"]
+        got = v["sampled_text"].get(s["seq"])
+        said = f" → <b>{_esc(got)}</b>" if got is not None else ""
+        parts.append(f"<span style='color:{seq_color(s['seq'])}'>■</span> seq {s['seq']} {kind} {s['n']}{said}")
+    return "; ".join(parts)
+
+def _request_rows(trace: Trace, v: dict) -> str:
+    "Each live request's text so far: the prompt's end in grey, the output in bold."
     rows = []
     for s in v["seqs"]:
-        e = trace.seqs[str(s["seq_id"])]; ids = e["token_ids"][:s["num_tokens"]]
+        e = trace.seqs[str(s["seq_id"])]
+        ids = e["token_ids"][:s["num_tokens"]]
         pr, out = trace.text_of(ids[:e["prompt_len"]]), trace.text_of(ids[e["prompt_len"]:])
         rows.append(f"<div><span style='color:{seq_color(s['seq_id'])}'>■ seq {s['seq_id']}</span> "
                     f"<span style='color:#999'>…{_esc(pr[-40:])}</span><b>{_esc(out)}</b></div>")
-    return f"<div style='font:12px sans-serif;line-height:1.5'>{head}{''.join(rows)}</div>"
+    return "".join(rows)
+
+# %% ../nbs/08b_figures.ipynb #133bfa4d
+def summary_html(trace: Trace, i: int) -> str:
+    "What step `i` did, in words, and every live request's text so far."
+    v = trace.step(i)
+    p, kv = v["plan"], v["kv"]
+    ev = _step_events(trace, i, p, v["queues"]["finished"])
+    tokens = f"{p['num_batched_tokens']}/{p['token_budget']} tokens"
+    said = f"<br>{'; '.join(ev)}" if ev else ""
+    free = f"{kv['free']} pages free ({kv['cached_free']} cached)"
+    memory = f"<br>KV {kv['usage']:.0%} used, {free}, waste {kv['waste']:.0%}"
+    head = f"<b>step {i + 1}/{len(trace)}</b> · {tokens}: {_batch_line(v)}{said}{memory}"
+    return f"<div style='font:12px sans-serif;line-height:1.5'>{head}{_request_rows(trace, v)}</div>"
 
 # %% ../nbs/08b_figures.ipynb #8872bd18
 MAX_WIDTH = 720                                      # pixels: a notebook cell and the docs' text column
@@ -249,79 +289,105 @@ def _go():
     import plotly.graph_objects as go
     return go
 
+def _apply(fig, panel, first=0):
+    "Copy panel data into `fig.data[first:]`."
+    for k, d in enumerate(panel): fig.data[first + k].update(d)
+    return fig
+
+# %% ../nbs/08b_figures.ipynb #de683835
+def _map_traces(go) -> list:
+    "The page map's traces, empty: logical pages, links, pool, freed, taken, lane labels, copies, slots given back."
+    sq = dict(symbol="square", size=CELL - 6)
+    mark = lambda name, **m: go.Scatter(mode="markers", marker=m, hoverinfo="text", name=name)
+    orange, quiet = dict(width=2, color="#ff7f0e"), dict(hoverinfo="skip", showlegend=False)
+    return [go.Scatter(mode="markers+text", marker=sq, textfont=dict(size=9, color="white"), hoverinfo="text",
+                       name="logical pages", showlegend=False),
+            go.Scatter(mode="lines", line=dict(width=1, color="rgba(80,80,80,.35)"), **quiet),
+            go.Scatter(mode="markers+text", marker=sq, textfont=dict(size=9), hoverinfo="text", name="pool",
+                       showlegend=False),
+            mark("freed now", symbol="x-thin", size=CELL - 8, line=dict(width=3, color="#d62728")),
+            mark("taken now", symbol="circle-open", size=CELL - 4, line=dict(width=3), color="#2ca02c"),
+            go.Scatter(mode="text", textposition="middle left", textfont=dict(size=10), cliponaxis=False, **quiet),
+            go.Scatter(mode="lines+markers", line=orange, hoverinfo="text", name="copy-on-write",
+                       marker=dict(size=13, color="#ff7f0e", angleref="previous", line=orange)),
+            mark("slots given back", symbol="diamond-open", size=CELL - 10, line=dict(width=3, color="#9467bd"))]
+
+def _map_legend(go) -> list:
+    "Legend entries only: free, cached-free and shared pages."
+    key = lambda name, **m: go.Scatter(x=[None], y=[None], mode="markers", marker=dict(size=12, **m), name=name)
+    return [key("free", symbol="square", color=FREE_COLOR), key("cached-free", symbol="square", color=CACHED_COLOR),
+            key("shared (ref > 1)", symbol="square-open", line=dict(width=3), color="black")]
+
+# %% ../nbs/08b_figures.ipynb #b05e1517
 def map_figure(trace: Trace, geo: dict, i: int = 0):
     "The page-map figure (lanes of logical pages over the physical pool) at step `i`."
-    go = _go(); cols, rows, L = geo["cols"], geo["rows"], geo["num_lanes"]
-    sq = dict(symbol="square", size=CELL - 6)
-    fig = go.Figure([
-        go.Scatter(mode="markers+text", marker=sq, textfont=dict(size=9, color="white"), hoverinfo="text", name="logical pages", showlegend=False),
-        go.Scatter(mode="lines", line=dict(width=1, color="rgba(80,80,80,.35)"), hoverinfo="skip", showlegend=False),
-        go.Scatter(mode="markers+text", marker=sq, textfont=dict(size=9), hoverinfo="text", name="pool", showlegend=False),
-        go.Scatter(mode="markers", marker=dict(symbol="x-thin", size=CELL - 8, line=dict(width=3, color="#d62728")), hoverinfo="text", name="freed now"),
-        go.Scatter(mode="markers", marker=dict(symbol="circle-open", size=CELL - 4, line=dict(width=3), color="#2ca02c"), hoverinfo="text", name="taken now"),
-        go.Scatter(mode="text", textposition="middle left", textfont=dict(size=10), hoverinfo="skip", showlegend=False, cliponaxis=False),
-        go.Scatter(mode="lines+markers", line=dict(width=2, color="#ff7f0e"), hoverinfo="text", name="copy-on-write",
-                   marker=dict(size=13, color="#ff7f0e", angleref="previous", line=dict(width=2, color="#ff7f0e"))),
-        go.Scatter(mode="markers", marker=dict(symbol="diamond-open", size=CELL - 10, line=dict(width=3, color="#9467bd")),
-                   hoverinfo="text", name="slots given back"),
-        go.Scatter(x=[None], y=[None], mode="markers", marker=dict(symbol="square", size=12, color=FREE_COLOR), name="free"),
-        go.Scatter(x=[None], y=[None], mode="markers", marker=dict(symbol="square", size=12, color=CACHED_COLOR), name="cached-free"),
-        go.Scatter(x=[None], y=[None], mode="markers", marker=dict(symbol="square-open", size=12, line=dict(width=3), color="black"), name="shared (ref > 1)"),
-    ])
+    go = _go()
+    cols, rows, L = geo["cols"], geo["rows"], geo["num_lanes"]
+    fig = go.Figure(_map_traces(go) + _map_legend(go))
     ann = [dict(x=-.6, y=geo["y0"], text="pool", showarrow=False, xanchor="right", font=dict(size=10))] if L else []
-    fig.update_layout(width=130 + CELL*cols, height=110 + CELL*rows, margin=dict(l=70, r=10, t=40, b=10), plot_bgcolor="white",
-                      title=dict(text="pages", font=dict(size=13)), annotations=ann, showlegend=True,
-                      legend=dict(orientation="h", y=1.0, yanchor="bottom", x=1, xanchor="right", font=dict(size=10)))
+    legend = dict(orientation="h", y=1.0, yanchor="bottom", x=1, xanchor="right", font=dict(size=10))
+    fig.update_layout(width=130 + CELL*cols, height=110 + CELL*rows, margin=dict(l=70, r=10, t=40, b=10),
+                      plot_bgcolor="white", title=dict(text="pages", font=dict(size=13)), annotations=ann,
+                      showlegend=True, legend=legend)
     fig.update_xaxes(visible=False, range=[-.5, cols - .5], fixedrange=True)
     fig.update_yaxes(visible=False, range=[rows - .5, -.5], fixedrange=True)
     if len(trace): _apply(fig, map_panel(trace, i, geo))
     return fig
 
+# %% ../nbs/08b_figures.ipynb #d8365d26
 def batch_figure(trace: Trace, i: int = 0):
     "This step's batch under the token budget."
     go = _go()
     top = max([s["budget"] for s in trace.steps] + [s["batched"] for s in trace.steps] + [1])
-    fig = go.Figure([go.Bar(orientation="h", textposition="inside", insidetextanchor="middle", hoverinfo="text", width=.6,
-                            marker=dict(line=dict(width=1, color="white")), showlegend=False),
-                     go.Scatter(mode="lines", line=dict(dash="dash", color="black", width=2), hoverinfo="text", name="token budget")])
-    fig.update_layout(height=120, width=600, margin=dict(l=10, r=10, t=30, b=25), plot_bgcolor="white", barmode="overlay",
-                      title=dict(text="batch (tokens)", font=dict(size=13)), showlegend=False)
-    fig.update_xaxes(range=[0, top*1.05], fixedrange=True); fig.update_yaxes(visible=False, range=[-.6, .6], fixedrange=True)
+    bar = go.Bar(orientation="h", textposition="inside", insidetextanchor="middle", hoverinfo="text", width=.6,
+                 marker=dict(line=dict(width=1, color="white")), showlegend=False)
+    dash = dict(dash="dash", color="black", width=2)
+    budget = go.Scatter(mode="lines", line=dash, hoverinfo="text", name="token budget")
+    fig = go.Figure([bar, budget])
+    fig.update_layout(height=120, width=600, margin=dict(l=10, r=10, t=30, b=25), plot_bgcolor="white",
+                      barmode="overlay", title=dict(text="batch (tokens)", font=dict(size=13)), showlegend=False)
+    fig.update_xaxes(range=[0, top*1.05], fixedrange=True)
+    fig.update_yaxes(visible=False, range=[-.6, .6], fixedrange=True)
     if len(trace): _apply(fig, batch_panel(trace, i))
     return fig
 
+# %% ../nbs/08b_figures.ipynb #e54c16f6
 def queue_figure(trace: Trace, i: int = 0):
     "The running, waiting, preempted and finished queues."
     go = _go()
     width = max([len(s["running"]) + 1 for s in trace.steps] + [len(s["waiting"]) + 1 for s in trace.steps] + [4])
-    fig = go.Figure([go.Scatter(mode="markers+text", marker=dict(symbol="square", size=22), textfont=dict(size=9, color="white"),
-                                hoverinfo="text", showlegend=False)])
+    chips = go.Scatter(mode="markers+text", marker=dict(symbol="square", size=22), textfont=dict(size=9, color="white"),
+                       hoverinfo="text", showlegend=False)
+    fig = go.Figure([chips])
     fig.update_layout(height=170, width=600, margin=dict(l=80, r=10, t=30, b=10), plot_bgcolor="white",
                       title=dict(text="queues", font=dict(size=13)))
     fig.update_xaxes(visible=False, range=[-.7, width], fixedrange=True)
-    fig.update_yaxes(tickvals=list(range(len(QUEUES))), ticktext=list(QUEUES), range=[len(QUEUES) - .5, -.5], fixedrange=True)
+    names = list(QUEUES)
+    fig.update_yaxes(tickvals=list(range(len(names))), ticktext=names, range=[len(names) - .5, -.5], fixedrange=True)
     if len(trace): _apply(fig, queue_panel(trace, i))
     return fig
+
+# %% ../nbs/08b_figures.ipynb #2f2f6c7f
+def _memory_traces(go) -> list:
+    "Memory over time, empty: KV used, cached-free, waste, batch fill, preemptions, and the step cursor."
+    line = lambda name, mode="lines", **l: go.Scatter(mode=mode, name=name, line=l)
+    return [line("KV pages used", "lines+markers", color="#636EFA"), line("cached-free", color="#9ecae1"),
+            line("KV waste (slack in last pages)", color="#EF553B", dash="dot"),
+            line("batch fill (tokens/budget)", color="#7f7f7f", width=1),
+            go.Scatter(mode="markers", name="preemption", marker=dict(symbol="x", size=11, color="#d62728"),
+                       hoverinfo="text"),
+            go.Scatter(mode="lines", line=dict(color="black", width=1), showlegend=False, hoverinfo="skip")]
 
 def memory_figure(trace: Trace, i: int = 0):
     "KV usage, cached-free pages, waste and batch fill over the run, with a cursor at step `i`."
     go = _go()
-    fig = go.Figure([go.Scatter(mode="lines+markers", name="KV pages used", line=dict(color="#636EFA")),
-                     go.Scatter(mode="lines", name="cached-free", line=dict(color="#9ecae1")),
-                     go.Scatter(mode="lines", name="KV waste (slack in last pages)", line=dict(color="#EF553B", dash="dot")),
-                     go.Scatter(mode="lines", name="batch fill (tokens/budget)", line=dict(color="#7f7f7f", width=1)),
-                     go.Scatter(mode="markers", name="preemption", marker=dict(symbol="x", size=11, color="#d62728"), hoverinfo="text"),
-                     go.Scatter(mode="lines", line=dict(color="black", width=1), showlegend=False, hoverinfo="skip")])
+    fig = go.Figure(_memory_traces(go))
     fig.update_layout(height=230, width=600, margin=dict(l=40, r=10, t=30, b=30), plot_bgcolor="white",
                       title=dict(text="memory over time", font=dict(size=13)), legend=dict(font=dict(size=9)))
     fig.update_yaxes(range=[0, 1.05], tickformat=".0%", fixedrange=True, gridcolor="#eee")
-    fig.update_xaxes(title=dict(text="step", font=dict(size=10)), range=[-.5, max(len(trace), 2) - .5], fixedrange=True)
+    steps = dict(text="step", font=dict(size=10))
+    fig.update_xaxes(title=steps, range=[-.5, max(len(trace), 2) - .5], fixedrange=True)
     _apply(fig, memory_series(trace) + [memory_cursor(i)])
-    return fig
-
-def _apply(fig, panel, first=0):
-    "Copy panel data into `fig.data[first:]`."
-    for k, d in enumerate(panel): fig.data[first + k].update(d)
     return fig
 
 # %% ../nbs/08b_figures.ipynb #h18-w-hasspec
@@ -334,14 +400,13 @@ def _short(text, n=7):
     return t if len(t) <= n else t[:n - 1] + "…"
 
 # %% ../nbs/08b_figures.ipynb #h18-w-specpanel
-_FATE = dict(accepted=("✓", None, "white"), rejected=("✗", "#eeeeee", "#c00"), bonus=("★", "#FFD700",
-                                                                                      "black"),
+_FATE = dict(accepted=("✓", None, "white"), rejected=("✗", "#eeeeee", "#c00"), bonus=("★", "#FFD700", "black"),
              recovered=("★", "#FFD700", "black"))
 
 def spec_panel(trace: Trace, i: int, geo: dict) -> list[dict]:
     "This step's drafts on each sequence's lane: accepted, rejected, the bonus or recovered token (fixed order)."
-    lanes = {**(geo["lanes"][i - 1] if i else {}),
-             **geo["lanes"][i]}      # a sequence that finished keeps its lane
+    before = geo["lanes"][i - 1] if i else {}
+    lanes = {**before, **geo["lanes"][i]}      # a sequence that finished keeps its lane
     x, base, y, col, txt, tc, hov, lx, ly, lt = [], [], [], [], [], [], [], [], [], []
     for s in trace.speculation(i):
         lane = lanes.get(s["seq"])
@@ -358,33 +423,32 @@ def spec_panel(trace: Trace, i: int, geo: dict) -> list[dict]:
         lx.append(-.1)
         ly.append(lane)
         lt.append(f"seq {s['seq']}: {s['accepted']}/{len(s['drafts'])}")
-    return [dict(x=x, base=base, y=y, text=txt, hovertext=hov, marker=dict(color=col),
-                 textfont=dict(color=tc)),
-            dict(x=lx, y=ly, text=lt)]
+    bars = dict(x=x, base=base, y=y, text=txt, hovertext=hov, marker=dict(color=col), textfont=dict(color=tc))
+    return [bars, dict(x=lx, y=ly, text=lt)]
 
 # %% ../nbs/08b_figures.ipynb #h18-w-specfig
+def _spec_traces(go) -> list:
+    "The speculation panel's traces, empty: the drafts as bars, a label per lane, and three legend entries."
+    edge = dict(width=1, color="#999")
+    key = lambda name, c: go.Scatter(x=[None], y=[None], mode="markers", name=name,
+                                     marker=dict(symbol="square", size=12, color=c, line=edge))
+    bars = go.Bar(orientation="h", width=.7, textposition="inside", insidetextanchor="middle", hoverinfo="text",
+                  marker=dict(line=dict(width=1, color="white")), showlegend=False, textfont=dict(size=10))
+    labels = go.Scatter(mode="text", textposition="middle left", hoverinfo="skip", showlegend=False,
+                        cliponaxis=False, textfont=dict(size=10))
+    return [bars, labels, key("✓ accepted", "#636EFA"), key("✗ rejected", "#eeeeee"),
+            key("★ bonus / recovered", "#FFD700")]
+
 def spec_figure(trace: Trace, geo: dict, i: int = 0):
     "The speculation panel: each speculative sequence's drafts, token by token, on its lane."
     go = _go()
     k = max([len(s["proposed"]) for st in trace.steps for s in st["scheduled"] if "proposed" in s] + [1])
     L = max(geo["num_lanes"], 1)
-    key = lambda name, c: go.Scatter(x=[None], y=[None], mode="markers", name=name,
-                                     marker=dict(symbol="square", size=12, color=c, line=dict(width=1,
-                                                                                              color="#999")))
-    fig = go.Figure([go.Bar(orientation="h", width=.7, textposition="inside", insidetextanchor="middle",
-                            hoverinfo="text",
-                            marker=dict(line=dict(width=1, color="white")), showlegend=False,
-                                textfont=dict(size=10)),
-                     go.Scatter(mode="text", textposition="middle left", hoverinfo="skip", showlegend=False,
-                                cliponaxis=False, textfont=dict(size=10)),
-                     key("✓ accepted", "#636EFA"), key("✗ rejected", "#eeeeee"),
-                         key("★ bonus / recovered", "#FFD700")])
-    fig.update_layout(height=90 + 30*L, width=min(MAX_WIDTH, 200 + 90*(k + 2)), margin=dict(l=10, r=10,
-                                                                                            t=50, b=10),
-                      barmode="overlay", plot_bgcolor="white", title=dict(text="speculation: drafts",
-                                                                          font=dict(size=13)),
-                      legend=dict(orientation="h", y=1.0, yanchor="bottom", x=1, xanchor="right",
-                                  font=dict(size=10)))
+    fig = go.Figure(_spec_traces(go))
+    legend = dict(orientation="h", y=1.0, yanchor="bottom", x=1, xanchor="right", font=dict(size=10))
+    fig.update_layout(height=90 + 30*L, width=min(MAX_WIDTH, 200 + 90*(k + 2)), margin=dict(l=10, r=10, t=50, b=10),
+                      barmode="overlay", plot_bgcolor="white",
+                      title=dict(text="speculation: drafts", font=dict(size=13)), legend=legend)
     fig.update_xaxes(visible=False, range=[-1.2, k + 1.05], fixedrange=True)
     fig.update_yaxes(visible=False, range=[L - .5, -.5], fixedrange=True)
     if len(trace): _apply(fig, spec_panel(trace, i, geo))
@@ -420,83 +484,101 @@ def latency_cursor(trace: Trace, i: int) -> dict:
     return dict(x=[t, t], y=[-.5, max(len(trace.seqs), 1) - .5])
 
 # %% ../nbs/08b_figures.ipynb #h18-w-latfig
+def _latency_traces(go) -> list:
+    "The latency figure's traces, empty: the wait for the first token, the tokens, the longest gap, the cursor."
+    return [go.Scatter(mode="lines", line=dict(color="#bbb", width=2), hoverinfo="text",
+                       name="waiting for the first token"),
+            go.Scatter(mode="markers", marker=dict(size=7), hoverinfo="text", name="token"),
+            go.Scatter(mode="lines", line=dict(color="#d62728", width=4), hoverinfo="text", name="longest gap"),
+            go.Scatter(mode="lines", line=dict(color="black", width=1), showlegend=False, hoverinfo="skip")]
+
 def latency_figure(trace: Trace, i: int = 0):
     "Time to first token and inter-token gaps per sequence, with a cursor at step `i`'s time."
     go = _go()
     sids = sorted(int(k) for k in trace.seqs)
-    fig = go.Figure([go.Scatter(mode="lines", line=dict(color="#bbb", width=2), hoverinfo="text",
-                                name="waiting for the first token"),
-                     go.Scatter(mode="markers", marker=dict(size=7), hoverinfo="text", name="token"),
-                     go.Scatter(mode="lines", line=dict(color="#d62728", width=4), hoverinfo="text",
-                                name="longest gap"),
-                     go.Scatter(mode="lines", line=dict(color="black", width=1), showlegend=False,
-                                hoverinfo="skip")])
+    fig = go.Figure(_latency_traces(go))
+    legend = dict(orientation="h", y=1.0, yanchor="bottom", x=1, xanchor="right", font=dict(size=9))
     fig.update_layout(height=110 + 22*max(len(sids), 1), width=600, margin=dict(l=60, r=10, t=50, b=35),
-                      plot_bgcolor="white",
-                      title=dict(text="latency", font=dict(size=13)), legend=dict(orientation="h",
-                                                                                  y=1.0, yanchor="bottom",
-                                                                                  x=1, xanchor="right",
-                                                                                      font=dict(size=9)))
+                      plot_bgcolor="white", title=dict(text="latency", font=dict(size=13)), legend=legend)
     fig.update_yaxes(tickvals=list(range(len(sids))), ticktext=[f"seq {s}" for s in sids],
-                     range=[len(sids) - .5, -.5],
-                     fixedrange=True)
-    fig.update_xaxes(title=dict(text="seconds (step times)", font=dict(size=10)), gridcolor="#eee",
-                     fixedrange=True)
+                     range=[len(sids) - .5, -.5], fixedrange=True)
+    seconds = dict(text="seconds (step times)", font=dict(size=10))
+    fig.update_xaxes(title=seconds, gridcolor="#eee", fixedrange=True)
     _apply(fig, latency_series(trace) + [latency_cursor(trace, i)])
     return fig
 
 # %% ../nbs/08b_figures.ipynb #d3dd38a9
 _MAP_DYNAMIC = 8                                     # map traces that change per step (the legend entries follow)
 
-def trace_animation(trace: Trace, title: str | None = None):
-    "The stepper's panels (page map, batch, queues, memory) as one self-contained plotly animation: frames, slider, Play."
-    go = _go()
-    from plotly.subplots import make_subplots
-    if not len(trace): raise ValueError("the trace has no steps to animate")
-    geo = geometry(trace)
-    parts = dict(map=map_figure(trace, geo), batch=batch_figure(trace), queues=queue_figure(trace), memory=memory_figure(trace))
-    W = min(MAX_WIDTH, max(600, parts["map"].layout.width))                 # one column: fits a docs text column
-    hs = [parts["map"].layout.height - 60, 90, 140, 190]
-    H = sum(hs) + 420
-    fig = make_subplots(rows=4, cols=1, row_heights=[h/sum(hs) for h in hs], vertical_spacing=.05,
-                        subplot_titles=("pages", "batch (tokens)", "queues", "memory over time"))
-    where = dict(map=(1, 1), batch=(2, 1), queues=(3, 1), memory=(4, 1))
+def _stack(fig, parts: dict) -> dict:
+    "Copy each part's traces and axes into its row of `fig`; the index of each part's traces in `fig.data`."
     index = {}
-    for name, part in parts.items():
-        r, c = where[name]; index[name] = []
+    for r, (name, part) in enumerate(parts.items(), 1):
+        index[name] = []
         for t in part.data:
-            index[name].append(len(fig.data)); fig.add_trace(t, row=r, col=c)
-        ax = part.layout
-        fig.update_xaxes(ax.xaxis, row=r, col=c); fig.update_yaxes(ax.yaxis, row=r, col=c)
-    fig.update_yaxes(scaleanchor="x", constraintoward="top", row=1, col=1)
-    dyn = index["map"][:_MAP_DYNAMIC] + index["batch"] + index["queues"] + [index["memory"][-1]]
+            index[name].append(len(fig.data))
+            fig.add_trace(t, row=r, col=1)
+        fig.update_xaxes(part.layout.xaxis, row=r, col=1)
+        fig.update_yaxes(part.layout.yaxis, row=r, col=1)
+    return index
+
+def _frame_title(trace, i, title=None):
+    "Step `i`'s title: the run's model and pool (or `title`), and what the step did."
+    st, m = trace.steps[i], trace.meta
+    pool = f"{m['num_blocks']} pages of {m['block_size']}"
+    head = title or f"{m.get('model', 'model')}: {pool}, budget {m['max_num_batched_tokens']}"
+    shares = f" · shares {sorted(int(k) for k in st['shared'])}" if st["shared"] else ""
+    ev = (f" · preempted {st['preempted']}" if st["preempted"] else "") + shares
+    return f"{_esc(head)}<br><sub>step {i}: {st['batched']}/{st['budget']} tokens{ev}</sub>"
+
+# %% ../nbs/08b_figures.ipynb #509adc79
+def _animation_controls(fig, n, prefix="step "):
+    "Play/Pause buttons and a slider over frames named '0'..'n-1'."
+    instant = dict(transition=dict(duration=0), fromcurrent=True)
+    fr = lambda names, d: [names, dict(mode="immediate", frame=dict(duration=d, redraw=True), **instant)]
+    buttons = [dict(label="▶ Play", method="animate", args=fr(None, 700)),
+               dict(label="❚❚ Pause", method="animate", args=fr([None], 0))]
+    steps = [dict(label=str(i), method="animate", args=fr([str(i)], 0)) for i in range(n)]
+    menu = dict(type="buttons", direction="left", x=0, xanchor="left", y=-.02, yanchor="top", showactive=False,
+                pad=dict(t=30, r=10), buttons=buttons)
+    slider = dict(active=0, x=.2, len=.8, y=-.02, yanchor="top", pad=dict(t=30),
+                  currentvalue=dict(prefix=prefix, font=dict(size=11)), steps=steps)
+    fig.update_layout(updatemenus=[menu], sliders=[slider])
+
+# %% ../nbs/08b_figures.ipynb #dddb1997
+def _trace_frames(fig, trace: Trace, geo: dict, dyn: list, title=None) -> list:
+    "A plotly frame per step: the page map, batch and queues, and the memory cursor, into the traces `dyn`."
+    go = _go()
     def frame(i):
         p = map_panel(trace, i, geo) + batch_panel(trace, i) + queue_panel(trace, i) + [memory_cursor(i)]
         return [type(fig.data[k])(**d) for k, d in zip(dyn, p)]
     for k, d in zip(dyn, frame(0)): fig.data[k].update(d)
-    fig.frames = [go.Frame(name=str(i), data=frame(i), traces=dyn, layout=dict(title=dict(text=_frame_title(trace, i, title))))
-                  for i in range(len(trace))]
+    titled = lambda i: dict(title=dict(text=_frame_title(trace, i, title)))
+    return [go.Frame(name=str(i), data=frame(i), traces=dyn, layout=titled(i)) for i in range(len(trace))]
+
+def trace_animation(trace: Trace, title: str | None = None):
+    "The stepper's panels (page map, batch, queues, memory) as one plotly animation: frames, a slider, Play."
+    from plotly.subplots import make_subplots
+    if not len(trace): raise ValueError("the trace has no steps to animate")
+    geo = geometry(trace)
+    parts = dict(map=map_figure(trace, geo), batch=batch_figure(trace), queues=queue_figure(trace),
+                 memory=memory_figure(trace))
+    W = min(MAX_WIDTH, max(600, parts["map"].layout.width))                 # one column: fits a docs text column
+    hs = [parts["map"].layout.height - 60, 90, 140, 190]
+    fig = make_subplots(rows=4, cols=1, row_heights=[h/sum(hs) for h in hs], vertical_spacing=.05,
+                        subplot_titles=("pages", "batch (tokens)", "queues", "memory over time"))
+    index = _stack(fig, parts)
+    fig.update_yaxes(scaleanchor="x", constraintoward="top", row=1, col=1)
+    dyn = index["map"][:_MAP_DYNAMIC] + index["batch"] + index["queues"] + [index["memory"][-1]]
+    fig.frames = _trace_frames(fig, trace, geo, dyn, title)
     _animation_controls(fig, len(trace))
-    fig.update_layout(width=W, height=H, plot_bgcolor="white", title=dict(text=_frame_title(trace, 0, title), font=dict(size=13)),
-                      margin=dict(l=70, r=10, t=70, b=260), legend=dict(orientation="h", y=-.14, yanchor="top", x=0, font=dict(size=9)))
-    fig.layout.meta = dict(pagednb_trace=True, steps=len(trace), summaries=[summary_html(trace, i) for i in range(len(trace))])
+    legend = dict(orientation="h", y=-.14, yanchor="top", x=0, font=dict(size=9))
+    fig.update_layout(width=W, height=sum(hs) + 420, plot_bgcolor="white",
+                      title=dict(text=_frame_title(trace, 0, title), font=dict(size=13)),
+                      margin=dict(l=70, r=10, t=70, b=260), legend=legend)
+    summaries = [summary_html(trace, i) for i in range(len(trace))]
+    fig.layout.meta = dict(pagednb_trace=True, steps=len(trace), summaries=summaries)
     return fig
-
-def _frame_title(trace, i, title=None):
-    st = trace.steps[i]; m = trace.meta
-    head = title or f"{m.get('model', 'model')}: {m['num_blocks']} pages of {m['block_size']}, budget {m['max_num_batched_tokens']}"
-    ev = (f" · preempted {st['preempted']}" if st["preempted"] else "") + (f" · shares {sorted(int(k) for k in st['shared'])}" if st["shared"] else "")
-    return f"{_esc(head)}<br><sub>step {i}: {st['batched']}/{st['budget']} tokens{ev}</sub>"
-
-def _animation_controls(fig, n, prefix="step "):
-    "Play/Pause buttons and a slider over frames named '0'..'n-1'."
-    fr = lambda names, d: [names, dict(mode="immediate", frame=dict(duration=d, redraw=True), transition=dict(duration=0), fromcurrent=True)]
-    fig.update_layout(
-        updatemenus=[dict(type="buttons", direction="left", x=0, xanchor="left", y=-.02, yanchor="top", showactive=False, pad=dict(t=30, r=10),
-                          buttons=[dict(label="▶ Play", method="animate", args=fr(None, 700)),
-                                   dict(label="❚❚ Pause", method="animate", args=fr([None], 0))])],
-        sliders=[dict(active=0, x=.2, len=.8, y=-.02, yanchor="top", pad=dict(t=30), currentvalue=dict(prefix=prefix, font=dict(size=11)),
-                      steps=[dict(label=str(i), method="animate", args=fr([str(i)], 0)) for i in range(n)])])
 
 # %% ../nbs/08b_figures.ipynb #4d4180ee
 _STEP_JS = """
@@ -506,7 +588,9 @@ _STEP_JS = """
   var label = document.getElementById('%(div)s-label'), text = document.getElementById('%(div)s-text');
   function show(k){ i = Math.max(0, Math.min(n - 1, k)); label.textContent = 'step ' + i + ' / ' + (n - 1);
                     text.innerHTML = sums[i] || ''; gd.setAttribute('data-step', i); }
-  function go(k){ show(k); Plotly.animate(gd, [String(i)], {mode: 'immediate', frame: {duration: 0, redraw: true}, transition: {duration: 0}}); }
+  function go(k){ show(k);
+                  Plotly.animate(gd, [String(i)], {mode: 'immediate', frame: {duration: 0, redraw: true},
+                                                   transition: {duration: 0}}); }
   gd.on('plotly_animatingframe', function(e){ show(parseInt(e.name)); });
   gd.on('plotly_sliderchange', function(e){ show(parseInt(e.step.label)); });
   document.getElementById('%(div)s-reset').onclick = function(){ go(0); };
@@ -517,18 +601,25 @@ _STEP_JS = """
 })();
 """
 
-def trace_html(trace_or_fig, path=None, include_plotlyjs=True, div_id: str = "pagednb-trace", full_html: bool = True, title: str | None = None) -> str:
-    "A kernel-free page of a trace: the `trace_animation` figure with Reset/Back/Step buttons and the step's text; written to `path` if given."
+def _step_bar(div_id: str) -> str:
+    "Reset, Back and Step buttons and the step's label, for `_STEP_JS` to wire up."
+    btn = lambda k, t: f"<button id='{div_id}-{k}' style='margin-right:6px'>{t}</button>"
+    buttons = btn('reset', '« Reset') + btn('back', '◀ Back') + btn('step', 'Step ▶')
+    return (f"<div class='pagednb-stepbar' style='font:13px sans-serif;margin:6px 0'>{buttons}"
+            f"<span id='{div_id}-label'></span></div>")
+
+# %% ../nbs/08b_figures.ipynb #3dbb9578
+def trace_html(trace_or_fig, path=None, include_plotlyjs=True, div_id: str = "pagednb-trace", full_html: bool = True,
+               title: str | None = None) -> str:
+    "A kernel-free page of a trace: the `trace_animation` figure with Reset/Back/Step buttons and the step's text."
     fig = trace_or_fig if not isinstance(trace_or_fig, Trace) else trace_animation(trace_or_fig, title)
     n = len(fig.frames)
     if not n: raise ValueError("the figure has no frames: pass a Trace or a figure from trace_animation")
     js = _STEP_JS % dict(div=div_id, n=n)
-    plot = fig.to_html(full_html=False, include_plotlyjs=include_plotlyjs, div_id=div_id, post_script=js, auto_play=False)
-    btn = lambda k, t: f"<button id='{div_id}-{k}' style='margin-right:6px'>{t}</button>"
-    bar = (f"<div class='pagednb-stepbar' style='font:13px sans-serif;margin:6px 0'>{btn('reset', '« Reset')}{btn('back', '◀ Back')}"
-           f"{btn('step', 'Step ▶')}<span id='{div_id}-label'></span></div>")
-    body = f"{bar}<div id='{div_id}-text' style='min-height:5em'></div>{plot}"
-    page = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{_esc(title or 'pagednb trace')}</title></head><body>{body}</body></html>"
-            if full_html else body)
-    if path is not None: Path(path).write_text(page, encoding="utf-8")
+    plot = fig.to_html(full_html=False, include_plotlyjs=include_plotlyjs, div_id=div_id, post_script=js,
+                       auto_play=False)
+    body = f"{_step_bar(div_id)}<div id='{div_id}-text' style='min-height:5em'></div>{plot}"
+    head = f"<head><meta charset='utf-8'><title>{_esc(title or 'pagednb trace')}</title></head>"
+    page = f"<!DOCTYPE html><html>{head}<body>{body}</body></html>" if full_html else body
+    if path is not None: Path(path).write_text(page, encoding="utf-8")   # written to `path` if given
     return page

@@ -12,16 +12,15 @@ import html as _html
 from pathlib import Path
 from fastcore.basics import patch
 from .trace import Trace
-from .engine import LLM
-from .sampling import SamplingParams
 from .plots import FREE_COLOR, CACHED_COLOR, seq_color   # one palette, by seq_id, in every view
-from .figures import (CELL, QUEUES, MAX_WIDTH, geometry, map_panel, batch_panel, queue_panel, memory_series,
-                             memory_cursor, summary_html, map_figure, batch_figure, queue_figure, memory_figure,
-                             has_speculation, spec_panel, spec_figure, latency_series, latency_cursor, latency_figure,
-                             trace_animation, trace_html, _go, _apply, _esc)
-from .compare_views import (contiguous_vs_paged, prefix_sharing, trace_metrics, differences, aligned_steps,
-                                   pool_panel, compare, logical_to_physical)
-from .attention_views import CacheReader, page_mass, token_attention, page_attention
+from .figures import CELL, QUEUES, MAX_WIDTH, geometry, map_panel, batch_panel, queue_panel, memory_series
+from .figures import memory_cursor, summary_html, map_figure, batch_figure, queue_figure, memory_figure
+from .figures import has_speculation, spec_panel, spec_figure, latency_series, latency_cursor, latency_figure
+from .figures import trace_animation, trace_html, _go, _apply, _esc
+from .compare_views import contiguous_vs_paged, prefix_sharing, trace_metrics, differences, aligned_steps
+from .compare_views import pool_panel, compare, logical_to_physical
+from .attention_views import CacheReader, page_mass, token_attention, page_attention   # re-exported
+from .live_engine import engine_of, recording, add_live_request, step_traced, run_to_end, rerun_knobs, rebuild
 
 # %% ../nbs/08a_widgets.ipynb #6396e1af
 class StepperState:
@@ -35,22 +34,33 @@ class StepperState:
         self.has_spec = has_speculation(self.trace) or getattr(self, "_spec_engine", False)
     @property
     def num_steps(self): return len(self.trace)
-    def view(self, i: int | None = None) -> dict:
-        "Every panel's data at step `i` (default: the current step)."
-        i = self.index if i is None else i
-        t = self.trace
-        if not self.num_steps:
-            return dict(index=0, map=[], batch=[], queues=[], spec=[], cursor=memory_cursor(0),
-                        latency=latency_cursor(t, 0), summary="no steps yet")
-        return dict(index=i, map=map_panel(t, i, self.geo), batch=batch_panel(t, i), queues=queue_panel(t, i),
-                    spec=spec_panel(t, i, self.geo) if self.has_spec else [], cursor=memory_cursor(i),
-                    latency=latency_cursor(t, i), summary=summary_html(t, i))
-    def go(self, i: int) -> int:
-        "Show step `i` (clamped to the run); returns the step shown."
-        self.index = max(0, min(int(i), self.num_steps - 1)); return self.index
-    def step(self): return self.go(self.index + 1)
-    def back(self): return self.go(self.index - 1)
-    def reset(self): return self.go(0)
+
+# %% ../nbs/08a_widgets.ipynb #51e8c80e
+@patch
+def view(self: StepperState, i: int | None = None) -> dict:
+    "Every panel's data at step `i` (default: the current step)."
+    i = self.index if i is None else i
+    t = self.trace
+    if not self.num_steps:
+        return dict(index=0, map=[], batch=[], queues=[], spec=[], cursor=memory_cursor(0),
+                    latency=latency_cursor(t, 0), summary="no steps yet")
+    return dict(index=i, map=map_panel(t, i, self.geo), batch=batch_panel(t, i), queues=queue_panel(t, i),
+                spec=spec_panel(t, i, self.geo) if self.has_spec else [], cursor=memory_cursor(i),
+                latency=latency_cursor(t, i), summary=summary_html(t, i))
+
+# %% ../nbs/08a_widgets.ipynb #9bd09172
+@patch
+def go(self: StepperState, i: int) -> int:
+    "Show step `i` (clamped to the run); returns the step shown."
+    self.index = max(0, min(int(i), self.num_steps - 1))
+    return self.index
+
+@patch
+def step(self: StepperState): return self.go(self.index + 1)
+@patch
+def back(self: StepperState): return self.go(self.index - 1)
+@patch
+def reset(self: StepperState): return self.go(0)
 
 # %% ../nbs/08a_widgets.ipynb #b0a30997
 def _figure(fig):
@@ -60,20 +70,17 @@ def _figure(fig):
     except ImportError:
         return fig
 
+# %% ../nbs/08a_widgets.ipynb #4deaabeb
 class EngineStepper(StepperState):
     "Step through a recorded `Trace`, or a live `LLM`/`LLMEngine`: Play/Step/Back/Reset, a slider, and five panels."
     def __init__(self, source, interval: int = 700):
         self.llm = self.engine = self.previous = None
         if isinstance(source, Trace): trace = source
         else:
-            engine = getattr(source, "engine", source)
-            if not hasattr(engine, "block_manager"):
-                raise TypeError(f"EngineStepper needs a Trace, an LLM or an LLMEngine, got {type(source).__name__}")
+            engine = engine_of(source)
             self.llm, self.engine = source, engine
             self._spec_engine = getattr(engine, "spec", None) is not None
-            trace = getattr(source, "trace", None) if isinstance(getattr(source, "trace", None), Trace) else None
-            trace = trace or getattr(engine.on_step, "__self__", None) or getattr(engine.on_step, "trace", None)
-            if not isinstance(trace, Trace) or trace.engine is not engine: trace = Trace.attach(engine)
+            trace = recording(source, engine)
         super().__init__(trace)
         self._interval = interval
         self._build()
@@ -81,57 +88,80 @@ class EngineStepper(StepperState):
     @property
     def live(self): return self.engine is not None
 
+# %% ../nbs/08a_widgets.ipynb #291dd32e
+@patch
+def _fresh(self: EngineStepper, i) -> dict:
+    "Every figure of the stepper drawn anew at step `i` (the speculation panel only where there are drafts)."
+    t, g = self.trace, self.geo
+    figs = dict(map=map_figure(t, g, i), batch=batch_figure(t, i), queues=queue_figure(t, i),
+                memory=memory_figure(t, i))
+    if self.has_spec: figs["spec"] = spec_figure(t, g, i)
+    figs["latency"] = latency_figure(t, i)
+    return figs
+
 # %% ../nbs/08a_widgets.ipynb #60f5e2bc
 @patch
-def _build(self: EngineStepper):
+def _controls(self: EngineStepper, wrap):
+    "Play and a slider linked in the kernel, and Reset, Back and Step buttons that move the slider."
     import ipywidgets as W
-    t = self.trace
-    self.figs = {k: _figure(f) for k, f in self._fresh(self.index).items()}
     n = max(self.num_steps - 1, 0)
     self.play = W.Play(value=0, min=0, max=n, step=1, interval=self._interval, description="Play")
-    self.slider = W.IntSlider(value=0, min=0, max=n, description="step", continuous_update=True, layout=W.Layout(width="360px"))
+    self.slider = W.IntSlider(value=0, min=0, max=n, description="step", continuous_update=True,
+                              layout=W.Layout(width="360px"))
     self._link = W.link((self.play, "value"), (self.slider, "value"))
     self.slider.observe(lambda ch: self._show(ch["new"]), "value")
     bt = lambda d, tip: W.Button(description=d, tooltip=tip, layout=W.Layout(width="86px"))
-    self.buttons = dict(reset=bt("« Reset", "first step"), back=bt("◀ Back", "previous step"), step=bt("Step ▶", "next step"))
-    self.buttons["reset"].on_click(lambda _: self.reset()); self.buttons["back"].on_click(lambda _: self.back())
+    self.buttons = dict(reset=bt("« Reset", "first step"), back=bt("◀ Back", "previous step"),
+                        step=bt("Step ▶", "next step"))
+    self.buttons["reset"].on_click(lambda _: self.reset())
+    self.buttons["back"].on_click(lambda _: self.back())
     self.buttons["step"].on_click(lambda _: self.step())
-    self.text = W.HTML(self.view()["summary"])
-    wrap = W.Layout(flex_flow="row wrap")                      # side by side where there is room, stacked where not
-    controls = W.HBox([self.play, self.buttons["reset"], self.buttons["back"], self.buttons["step"], self.slider], layout=wrap)
+    return W.HBox([self.play, self.buttons["reset"], self.buttons["back"], self.buttons["step"], self.slider],
+                  layout=wrap)
+
+# %% ../nbs/08a_widgets.ipynb #015bbb97
+@patch
+def _render(self: EngineStepper, k):
+    "Redraw a plain (non-widget) figure into its Output, when FigureWidget is unavailable."
+    from IPython.display import display
+    o = self._outs[k]
+    o.clear_output(wait=True)
+    with o: display(self.figs[k])
+
+@patch
+def _outputs(self: EngineStepper):
+    "Where each figure shows: the FigureWidget itself, or an Output that a plain figure is drawn into."
+    import ipywidgets as W
     w = lambda f: f if isinstance(f, W.DOMWidget) else W.Output()
     self._outs = {k: w(f) for k, f in self.figs.items()}
     for k, o in self._outs.items():
         if o is not self.figs[k]: self._render(k)
+
+# %% ../nbs/08a_widgets.ipynb #2fce2dc5
+@patch
+def _build(self: EngineStepper):
+    "The widget: the controls, the step's text, the page map beside batch, queues and memory, and the live controls."
+    import ipywidgets as W
+    self.figs = {k: _figure(f) for k, f in self._fresh(self.index).items()}
+    wrap = W.Layout(flex_flow="row wrap")                      # side by side where there is room, stacked where not
+    controls = self._controls(wrap)
+    self.text = W.HTML(self.view()["summary"])
+    self._outputs()
     right = W.VBox([self._outs["batch"], self._outs["queues"], self._outs["memory"]])
     below = [self._outs[k] for k in ("spec", "latency") if k in self._outs]
     parts = [controls, self.text, W.HBox([self._outs["map"], right], layout=wrap), W.HBox(below, layout=wrap)]
     if self.live: parts.append(self._live_controls())
     self.widget = W.VBox(parts)
 
-@patch
-def _fresh(self: EngineStepper, i) -> dict:
-    "Every figure of the stepper drawn anew at step `i` (the speculation panel only where there are drafts)."
-    t, g = self.trace, self.geo
-    figs = dict(map=map_figure(t, g, i), batch=batch_figure(t, i), queues=queue_figure(t, i), memory=memory_figure(t, i))
-    if self.has_spec: figs["spec"] = spec_figure(t, g, i)
-    figs["latency"] = latency_figure(t, i)
-    return figs
-
-@patch
-def _render(self: EngineStepper, k):
-    "Redraw a plain (non-widget) figure into its Output, when FigureWidget is unavailable."
-    from IPython.display import display
-    o = self._outs[k]; o.clear_output(wait=True)
-    with o: display(self.figs[k])
-
+# %% ../nbs/08a_widgets.ipynb #dda4b0f4
 @patch
 def to_html(self: EngineStepper) -> str:
     "The run so far with no kernel (`trace_html`): Play, slider, Reset/Back/Step; no live buttons (they need Python)."
     import uuid
     if not self.num_steps: return "<div class='pagednb-stepper'><i>no steps yet</i></div>"
     div = f"pagednb-stepper-{uuid.uuid4().hex[:10]}"
-    return f"<div class='pagednb-stepper'>{trace_html(self.trace, include_plotlyjs=False, div_id=div, full_html=False)}</div>"
+    page = trace_html(self.trace, include_plotlyjs=False, div_id=div, full_html=False)
+    return f"<div class='pagednb-stepper'>{page}</div>"
 
 @patch
 def _repr_mimebundle_(self: EngineStepper, include=None, exclude=None):
@@ -141,8 +171,13 @@ def _repr_mimebundle_(self: EngineStepper, include=None, exclude=None):
     return bundle
 
 # %% ../nbs/08a_widgets.ipynb #12ecb06d
+def _batch(fig):
+    import contextlib
+    return fig.batch_update() if hasattr(fig, "batch_update") else contextlib.nullcontext()
+
 @patch
 def _show(self: EngineStepper, i):
+    "Copy step `i`'s view into the figures and the text line."
     StepperState.go(self, i)
     v = self.view()
     for name in ("map", "batch", "queues", "spec"):
@@ -156,10 +191,7 @@ def _show(self: EngineStepper, i):
     for k in self._outs:
         if self._outs[k] is not self.figs[k]: self._render(k)
 
-def _batch(fig):
-    import contextlib
-    return fig.batch_update() if hasattr(fig, "batch_update") else contextlib.nullcontext()
-
+# %% ../nbs/08a_widgets.ipynb #05ff2ebf
 @patch
 def go(self: EngineStepper, i: int) -> int:
     "Show step `i` (clamped): moves the slider, which redraws."
@@ -170,9 +202,23 @@ def go(self: EngineStepper, i: int) -> int:
 
 # %% ../nbs/08a_widgets.ipynb #7fc47989
 @patch
-def _live_controls(self: EngineStepper):
+def _knob_widgets(self: EngineStepper) -> dict:
+    "A widget per engine knob, set to the run's value."
     import ipywidgets as W
-    m = self.trace.meta
+    m, big = self.trace.meta, 1 << 20
+    sizes = [1, 2, 4, 8, 16, 32, 64]
+    return dict(block_size=W.Dropdown(options=sizes, value=m["block_size"], description="block_size"),
+                num_blocks=W.BoundedIntText(m["num_blocks"], min=1, max=big, description="pages"),
+                enable_prefix_caching=W.Checkbox(m["enable_prefix_caching"], description="prefix caching"),
+                enable_chunked_prefill=W.Checkbox(m["enable_chunked_prefill"], description="chunked prefill"),
+                max_num_batched_tokens=W.BoundedIntText(m["max_num_batched_tokens"], min=1, max=big,
+                                                        description="token budget"))
+
+# %% ../nbs/08a_widgets.ipynb #075409f9
+@patch
+def _live_controls(self: EngineStepper):
+    "A prompt box, Add request, Step engine and Run to end; the knobs and Rerun; a status line, the comparison."
+    import ipywidgets as W
     self.prompt = W.Text(placeholder="type a prompt, then Add request", layout=W.Layout(width="420px"))
     self.max_tokens = W.BoundedIntText(8, min=1, max=4096, description="max_tokens", layout=W.Layout(width="170px"))
     self.status = W.HTML()
@@ -180,53 +226,35 @@ def _live_controls(self: EngineStepper):
     b = lambda d: W.Button(description=d, layout=W.Layout(width="130px"))
     add, one, run, rerun = b("Add request"), b("Step engine"), b("Run to end"), b("Rerun with knobs")
     add.on_click(lambda _: self._safely(lambda: self.add_request(self.prompt.value, self.max_tokens.value)))
-    one.on_click(lambda _: self._safely(self.step_engine)); run.on_click(lambda _: self._safely(self.run))
-    self.knobs = dict(block_size=W.Dropdown(options=[1, 2, 4, 8, 16, 32, 64], value=m["block_size"], description="block_size"),
-                      num_blocks=W.BoundedIntText(m["num_blocks"], min=1, max=1 << 20, description="pages"),
-                      enable_prefix_caching=W.Checkbox(m["enable_prefix_caching"], description="prefix caching"),
-                      enable_chunked_prefill=W.Checkbox(m["enable_chunked_prefill"], description="chunked prefill"),
-                      max_num_batched_tokens=W.BoundedIntText(m["max_num_batched_tokens"], min=1, max=1 << 20, description="token budget"))
+    one.on_click(lambda _: self._safely(self.step_engine))
+    run.on_click(lambda _: self._safely(self.run))
+    self.knobs = self._knob_widgets()
     rerun.on_click(lambda _: self._safely(lambda: self.rerun(**{k: w.value for k, w in self.knobs.items()})))
     k = list(self.knobs.values())
-    return W.VBox([W.HBox([self.prompt, self.max_tokens, add, one, run]), W.HBox(k[:3]), W.HBox(k[3:] + [rerun]), self.status,
-                   self.comparison])
+    rows = [W.HBox([self.prompt, self.max_tokens, add, one, run]), W.HBox(k[:3]), W.HBox(k[3:] + [rerun])]
+    return W.VBox(rows + [self.status, self.comparison])
 
+# %% ../nbs/08a_widgets.ipynb #0e3dbeae
 @patch
 def _safely(self: EngineStepper, f):
     "Run a button's action; show an error in the status line instead of losing it in the kernel log."
-    try: f(); self.status.value = ""
-    except Exception as e: self.status.value = f"<span style='color:#c00'>{type(e).__name__}: {_html.escape(str(e))}</span>"
+    try:
+        f()
+        self.status.value = ""
+    except Exception as e:
+        self.status.value = f"<span style='color:#c00'>{type(e).__name__}: {_html.escape(str(e))}</span>"
 
 # %% ../nbs/08a_widgets.ipynb #983fe455
 @patch
 def add_request(self: EngineStepper, prompt, max_tokens: int = 8, temperature: float = 0.0):
     "Queue a request in the live engine (greedy by default); it is scheduled at the next engine step."
-    if not self.live: raise ValueError("add_request needs a live engine: build the stepper from an LLM or LLMEngine, not a Trace")
-    if isinstance(prompt, str) and not prompt.strip(): raise ValueError("the prompt is empty: type some text first")
-    rid = f"live-{len(self.trace.requests) + len(self.engine.requests)}"
-    while rid in self.engine.requests: rid += "+"
-    req = self.engine.add_request(rid, prompt, SamplingParams(temperature=temperature, max_tokens=max_tokens))
+    if not self.live:
+        raise ValueError("add_request needs a live engine: build the stepper from an LLM or LLMEngine, not a Trace")
+    req = add_live_request(self.engine, self.trace, prompt, max_tokens, temperature)
     if hasattr(self, "prompt"): self.prompt.value = ""
     return req.request_id
 
-@patch
-def step_engine(self: EngineStepper, n: int = 1) -> int:
-    "Run `n` steps of the live engine and show the last one; returns the number of steps run."
-    if not self.live: raise ValueError("step_engine needs a live engine: build the stepper from an LLM or LLMEngine, not a Trace")
-    done = 0
-    for _ in range(n):
-        if not self.engine.has_unfinished_requests(): break
-        before = len(self.trace); self.engine.step(); done += len(self.trace) > before
-    if not done and not self.engine.has_unfinished_requests() and hasattr(self, "status"):
-        self.status.value = "nothing to run: add a request first"
-    self._grew()
-    return done
-
-@patch
-def run(self: EngineStepper, max_steps: int = 10_000) -> int:
-    "Step the live engine until every request has finished."
-    return self.step_engine(max_steps)
-
+# %% ../nbs/08a_widgets.ipynb #1f1d33b8
 @patch
 def _grew(self: EngineStepper):
     "The trace has new steps: recompute lanes and grid, redraw every figure (layout and series), move to the last step."
@@ -238,34 +266,41 @@ def _grew(self: EngineStepper):
         if f is None: continue                         # a panel the stepper was built without
         with _batch(f):
             f.update_layout(fig.layout.to_plotly_json())
-            for k, d in enumerate(fig.data[:len(f.data)]):   # not the fresh uids: the frontend knows its traces by theirs
+            # not the fresh uids: the frontend knows its traces by theirs
+            for k, d in enumerate(fig.data[:len(f.data)]):
                 f.data[k].update({p: v for p, v in d.to_plotly_json().items() if p not in ("uid", "type")})
     self.go(n)
 
+# %% ../nbs/08a_widgets.ipynb #06b42d34
+@patch
+def step_engine(self: EngineStepper, n: int = 1) -> int:
+    "Run `n` steps of the live engine and show the last one; returns the number of steps run."
+    if not self.live:
+        raise ValueError("step_engine needs a live engine: build the stepper from an LLM or LLMEngine, not a Trace")
+    done = step_traced(self.engine, self.trace, n)
+    if not done and not self.engine.has_unfinished_requests() and hasattr(self, "status"):
+        self.status.value = "nothing to run: add a request first"
+    self._grew()
+    return done
+
+@patch
+def run(self: EngineStepper, max_steps: int = 10_000) -> int:
+    "Step the live engine until every request has finished."
+    return self.step_engine(max_steps)
+
 # %% ../nbs/08a_widgets.ipynb #bf415117
 @patch
-def rerun(self: EngineStepper, block_size=None, num_blocks=None, enable_prefix_caching=None, enable_chunked_prefill=None,
-          max_num_batched_tokens=None, run: bool = True):
+def rerun(self: EngineStepper, block_size=None, num_blocks=None, enable_prefix_caching=None,
+          enable_chunked_prefill=None, max_num_batched_tokens=None, run: bool = True):
     "Rebuild the live engine with new knobs, re-add every request, run it; the old trace stays as `previous`."
-    if not self.live: raise ValueError("rerun needs a live engine: build the stepper from an LLM or LLMEngine, not a Trace")
-    e, m = self.engine, self.trace.meta
-    kw = dict(block_size=block_size or m["block_size"], num_gpu_blocks_override=num_blocks or m["num_blocks"],
-              enable_prefix_caching=m["enable_prefix_caching"] if enable_prefix_caching is None else enable_prefix_caching,
-              enable_chunked_prefill=m["enable_chunked_prefill"] if enable_chunked_prefill is None else enable_chunked_prefill,
-              max_num_batched_tokens=max_num_batched_tokens or m["max_num_batched_tokens"], max_num_seqs=m["max_num_seqs"],
-              max_model_len=m["max_model_len"], attention_backend=m.get("attention_backend"), log=False)
-    reqs = dict(self.trace.requests)
-    for rid, r in e.requests.items():
-        if rid not in reqs: reqs[rid] = dict(prompt=r.prompt, prompt_token_ids=r.prompt_token_ids, params=r.params)
-    llm = LLM((e.model, e.tokenizer, e.model_config), **kw)        # raises a clear error for knobs that cannot work
-    self.trace.detach()
-    for rid, r in reqs.items():
-        p = r["params"] if isinstance(r["params"], SamplingParams) else SamplingParams(**_init_args(SamplingParams, r["params"]))
-        llm.engine.add_request(rid, dict(prompt=r["prompt"], prompt_token_ids=r["prompt_token_ids"]), p)
+    if not self.live:
+        raise ValueError("rerun needs a live engine: build the stepper from an LLM or LLMEngine, not a Trace")
+    knobs = rerun_knobs(self.trace.meta, block_size, num_blocks, enable_prefix_caching, enable_chunked_prefill,
+                        max_num_batched_tokens)
+    llm, trace = rebuild(self.engine, self.trace, knobs)         # raises a clear error for knobs that cannot work
     self.previous = self.trace                                   # kept for `compare`, not replaced
-    self.llm, self.engine, self.trace = llm, llm.engine, Trace.attach(llm.engine)
-    if run:
-        while self.engine.has_unfinished_requests(): self.engine.step()
+    self.llm, self.engine, self.trace = llm, llm.engine, trace
+    if run: run_to_end(self.engine)
     self._grew()
     self.go(0)
     if run and len(self.previous) and len(self.trace) and hasattr(self, "comparison"): self._show_comparison()
@@ -278,37 +313,39 @@ def _show_comparison(self: EngineStepper):
     self.comparison.clear_output(wait=True)
     with self.comparison: display(compare(self.previous, self.trace, names=("before", "after")))
 
-def _init_args(cls, d: dict) -> dict:
-    "The entries of a recorded dataclass that its constructor takes (not fields it derives, like resolved token ids)."
-    import dataclasses
-    return {f.name: d[f.name] for f in dataclasses.fields(cls) if f.init and f.name in d}
-
 # %% ../nbs/08a_widgets.ipynb #c21d8269
 _BRIDGE_JS = """
 (function(){
   function hook(){
     var r = document.querySelector('.pagednb-controls .widget-readout');
     if (!r || !window.pagednbStep) return setTimeout(hook, 100);
-    new MutationObserver(function(){ var k = parseInt(r.textContent); if (!isNaN(k)) window.pagednbStep['%(div)s'](k); })
+    new MutationObserver(function(){ var k = parseInt(r.textContent);
+                                     if (!isNaN(k)) window.pagednbStep['%(div)s'](k); })
       .observe(r, {childList: true, characterData: true, subtree: true});
   }
   hook();
 })();
 """
 
-def embed_controls(trace: Trace, path=None, widget_js: str = "embed.js", include_plotlyjs=True, div_id: str = "pagednb-trace", title=None) -> str:
-    "One HTML page: embedded widget state of the stepper's controls (Play, slider) driving `trace_html`'s animation, no kernel needed."
+def _embedded_controls(n: int, widget_js: str) -> str:
+    "The embedded widget state of Play and a slider over `n` steps, tied in the browser with `jslink`."
     import ipywidgets as W
     from ipywidgets.embed import embed_snippet, dependency_state
-    n = len(trace)
     play = W.Play(value=0, min=0, max=n - 1, interval=700, description="Play")
     slider = W.IntSlider(value=0, min=0, max=n - 1, description="step")
     link = W.jslink((play, "value"), (slider, "value"))
     box = W.HBox([play, slider], layout=W.Layout(width="520px"))
     box.add_class("pagednb-controls")
-    snippet = embed_snippet([box], state=dependency_state([box, link]), embed_url=widget_js, requirejs=False)
+    return embed_snippet([box], state=dependency_state([box, link]), embed_url=widget_js, requirejs=False)
+
+# %% ../nbs/08a_widgets.ipynb #056a6499
+def embed_controls(trace: Trace, path=None, widget_js: str = "embed.js", include_plotlyjs=True,
+                   div_id: str = "pagednb-trace", title=None) -> str:
+    "One HTML page: the stepper's controls (Play, slider) as embedded widget state, driving `trace_html`'s animation."
+    snippet = _embedded_controls(len(trace), widget_js)
     body = trace_html(trace, include_plotlyjs=include_plotlyjs, div_id=div_id, full_html=False, title=title)
-    page = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{_esc(title or 'pagednb stepper')}</title></head><body>"
-            f"{snippet}{body}<script>{_BRIDGE_JS % dict(div=div_id)}</script></body></html>")
-    if path is not None: Path(path).write_text(page, encoding="utf-8")
+    head = f"<head><meta charset='utf-8'><title>{_esc(title or 'pagednb stepper')}</title></head>"
+    bridge = f"<script>{_BRIDGE_JS % dict(div=div_id)}</script>"
+    page = f"<!DOCTYPE html><html>{head}<body>{snippet}{body}{bridge}</body></html>"
+    if path is not None: Path(path).write_text(page, encoding="utf-8")   # no kernel needed to show it
     return page

@@ -48,6 +48,8 @@ OPENINGS = {
                     "with no kernel", "`08_trace`"),
     "08c_compare_views": ("contiguous reservation against paging step by step, prefix sharing, two runs side by side, "
                           "and one request's logical blocks mapped to physical ones", "`08b_figures`"),
+    "08e_live_engine": ("the engine-side half of live mode: a request typed in, steps run, a rebuild with other "
+                        "knobs, as functions of an engine and its trace", "`08_trace`"),
     "08d_attention_views": ("which pages one token reads, and how much of its attention lands on each, from the live "
                             "engine's paged cache", "`04_paged_attention`, `08b_figures`"),
     "09_benchmarks": ("throughput, memory and latency beside Hugging Face, vLLM and GuideLLM, measured side by side",
