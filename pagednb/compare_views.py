@@ -218,7 +218,7 @@ def _diff_line(d: dict) -> str:
     fmt = lambda k, x: "–" if x is None else f"{x:.0%}" if k in ("KV waste", "hit rate") else f"{x:g}"
     return " · ".join(f"{k} {fmt(k, v['a'])} vs {fmt(k, v['b'])}" for k, v in d.items())
 
-# %% ../nbs/08c_compare_views.ipynb #h18-w-compare
+# %% ../nbs/08c_compare_views.ipynb #cmp-figure
 def _compare_figure(traces: tuple, grids: list, names) -> tuple:
     "The empty 3-row grid of `compare`: the two pools, pages used over the run, the table; and its row heights."
     from plotly.subplots import make_subplots
@@ -229,24 +229,6 @@ def _compare_figure(traces: tuple, grids: list, names) -> tuple:
     fig = make_subplots(rows=3, cols=2, vertical_spacing=.1, horizontal_spacing=.06,
                         row_heights=[h/sum(hs) for h in hs], specs=specs, subplot_titles=titles)
     return fig, hs
-
-def compare(trace_a: Trace, trace_b: Trace, align: str = "step", names=("A", "B")):
-    "Two traces of the same prompts side by side, one slider, aligned by step or time, with their differences."
-    go, traces = _go(), (trace_a, trace_b)
-    for t in traces:
-        if not isinstance(t, Trace): raise TypeError(f"compare needs two Trace objects, got {type(t).__name__}")
-        if not len(t): raise ValueError("compare needs traces with steps: one of them is empty")
-    frames = aligned_steps(trace_a, trace_b, align)
-    lats = (trace_a.latency(), trace_b.latency())
-    grids = [_pool_grid(t.meta["num_blocks"], (MAX_WIDTH - 60)/2) for t in traces]
-    fig, hs = _compare_figure(traces, grids, names)
-    _compare_traces(fig, go, traces, grids, align, names)
-    _compare_table(fig, go, differences(trace_a, trace_b, lats=lats), names)
-    _compare_frames(fig, go, traces, grids, frames, lats, align)
-    fig.update_layout(width=MAX_WIDTH, height=int(sum(hs) + 330), plot_bgcolor="white", showlegend=False,
-                      margin=dict(l=40, r=10, t=100, b=130))
-    fig.layout.meta = dict(frames=[list(f) for f in frames], differences=differences(trace_a, trace_b, lats=lats))
-    return fig
 
 # %% ../nbs/08c_compare_views.ipynb #h18-w-cmptraces
 def _compare_traces(fig, go, traces, grids, align, names):
@@ -304,6 +286,25 @@ def _compare_frames(fig, go, traces, grids, frames, lats, align):
     slider.steps = [dict(s.to_plotly_json(), label=lab) for s, (lab, _, _) in zip(slider.steps, frames)]
     fig.update_layout(title=dict(text=title(*frames[0]), font=dict(size=12)))
 
+# %% ../nbs/08c_compare_views.ipynb #h18-w-compare
+def compare(trace_a: Trace, trace_b: Trace, align: str = "step", names=("A", "B")):
+    "Two traces of the same prompts side by side, one slider, aligned by step or time, with their differences."
+    go, traces = _go(), (trace_a, trace_b)
+    for t in traces:
+        if not isinstance(t, Trace): raise TypeError(f"compare needs two Trace objects, got {type(t).__name__}")
+        if not len(t): raise ValueError("compare needs traces with steps: one of them is empty")
+    frames = aligned_steps(trace_a, trace_b, align)
+    lats = (trace_a.latency(), trace_b.latency())
+    grids = [_pool_grid(t.meta["num_blocks"], (MAX_WIDTH - 60)/2) for t in traces]
+    fig, hs = _compare_figure(traces, grids, names)
+    _compare_traces(fig, go, traces, grids, align, names)
+    _compare_table(fig, go, differences(trace_a, trace_b, lats=lats), names)
+    _compare_frames(fig, go, traces, grids, frames, lats, align)
+    fig.update_layout(width=MAX_WIDTH, height=int(sum(hs) + 330), plot_bgcolor="white", showlegend=False,
+                      margin=dict(l=40, r=10, t=100, b=130))
+    fig.layout.meta = dict(frames=[list(f) for f in frames], differences=differences(trace_a, trace_b, lats=lats))
+    return fig
+
 # %% ../nbs/08c_compare_views.ipynb #h18-w-pagesof
 def _pages_of(trace: Trace, sid) -> list:
     "The physical page of each logical page of sequence `sid`, from the first step whose block table held it."
@@ -331,6 +332,26 @@ def _l2p_cells(trace, sid, t, pages, rows, bs):
             dict(x=[bs + .6]*n, y=list(range(n)),
                  text=[f"→ {pages[lg]} ({fill[lg]}/{bs})" for lg in range(n)]),
             dict(x=[lg_x[-1], ph_x[-1]], y=[lg_y[-1], ph_y[-1]])]
+
+# %% ../nbs/08c_compare_views.ipynb #h18-w-l2playout
+def _l2p_title(trace, sid, t, pages, bs):
+    tok = trace.text_of([trace.seqs[str(sid)]["token_ids"][t]])
+    b, off = pages[t//bs], t % bs
+    return (f"token {t} {_esc(repr(tok))} → logical block {t//bs}, slot {off}<br>"
+            f"<sub>block table: logical {t//bs} → physical {b}: the K/V go to slot {b*bs + off} of the pool</sub>")
+
+def _l2p_layout(fig, trace, sid, bs, nrows, shown, g, nlog):
+    "Axes, size and the column titles of `logical_to_physical`."
+    h = 36*max(nrows, nlog)
+    fig.update_layout(width=min(MAX_WIDTH, 120 + 38*(2*bs + 3)), height=h + 220, plot_bgcolor="white",
+                      margin=dict(l=40, r=10, t=90, b=110), annotations=[
+        dict(x=(bs - 1)/2, y=-.9, text=f"logical blocks (seq {sid})", showarrow=False, font=dict(size=11)),
+        dict(x=bs + .9, y=-.9, text="table", showarrow=False, font=dict(size=11)),
+        dict(x=g + (bs - 1)/2, y=-.9, text="physical blocks (the pool)", showarrow=False,
+             font=dict(size=11))])
+    fig.update_xaxes(visible=False, range=[-.6, g + bs - .4], fixedrange=True)
+    fig.update_yaxes(range=[max(nrows, nlog) - .5, -1.3], fixedrange=True, tickvals=list(range(nrows)),
+                     ticktext=[str(b) for b in shown], side="right", showgrid=False, zeroline=False)
 
 # %% ../nbs/08c_compare_views.ipynb #h18-w-l2p
 def _l2p_traces(go, shown: list, bs: int, g: float) -> list:
@@ -367,23 +388,3 @@ def logical_to_physical(trace: Trace, seq_id: int | None = None):
     _animation_controls(fig, n, prefix="token ")
     fig.update_layout(title=dict(text=_l2p_title(trace, sid, 0, pages, bs), font=dict(size=12)))
     return fig
-
-# %% ../nbs/08c_compare_views.ipynb #h18-w-l2playout
-def _l2p_title(trace, sid, t, pages, bs):
-    tok = trace.text_of([trace.seqs[str(sid)]["token_ids"][t]])
-    b, off = pages[t//bs], t % bs
-    return (f"token {t} {_esc(repr(tok))} → logical block {t//bs}, slot {off}<br>"
-            f"<sub>block table: logical {t//bs} → physical {b}: the K/V go to slot {b*bs + off} of the pool</sub>")
-
-def _l2p_layout(fig, trace, sid, bs, nrows, shown, g, nlog):
-    "Axes, size and the column titles of `logical_to_physical`."
-    h = 36*max(nrows, nlog)
-    fig.update_layout(width=min(MAX_WIDTH, 120 + 38*(2*bs + 3)), height=h + 220, plot_bgcolor="white",
-                      margin=dict(l=40, r=10, t=90, b=110), annotations=[
-        dict(x=(bs - 1)/2, y=-.9, text=f"logical blocks (seq {sid})", showarrow=False, font=dict(size=11)),
-        dict(x=bs + .9, y=-.9, text="table", showarrow=False, font=dict(size=11)),
-        dict(x=g + (bs - 1)/2, y=-.9, text="physical blocks (the pool)", showarrow=False,
-             font=dict(size=11))])
-    fig.update_xaxes(visible=False, range=[-.6, g + bs - .4], fixedrange=True)
-    fig.update_yaxes(range=[max(nrows, nlog) - .5, -1.3], fixedrange=True, tickvals=list(range(nrows)),
-                     ticktext=[str(b) for b in shown], side="right", showgrid=False, zeroline=False)
