@@ -163,6 +163,7 @@ def to_html(self: EngineStepper) -> str:
     page = trace_html(self.trace, include_plotlyjs=False, div_id=div, full_html=False)
     return f"<div class='pagednb-stepper'>{page}</div>"
 
+# %% ../nbs/08a_widgets.ipynb #5f529126
 @patch
 def _repr_mimebundle_(self: EngineStepper, include=None, exclude=None):
     "The widget, for a frontend with a kernel; `to_html` as text/html, for a page without one."
