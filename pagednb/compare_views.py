@@ -343,12 +343,11 @@ def _l2p_title(trace, sid, t, pages, bs):
 def _l2p_layout(fig, trace, sid, bs, nrows, shown, g, nlog):
     "Axes, size and the column titles of `logical_to_physical`."
     h = 36*max(nrows, nlog)
+    title = lambda x, text: dict(x=x, y=-.9, text=text, showarrow=False, font=dict(size=11))
+    heads = [title((bs - 1)/2, f"logical blocks (seq {sid})"), title(bs + .9, "table"),
+             title(g + (bs - 1)/2, "physical blocks (the pool)")]
     fig.update_layout(width=min(MAX_WIDTH, 120 + 38*(2*bs + 3)), height=h + 220, plot_bgcolor="white",
-                      margin=dict(l=40, r=10, t=90, b=110), annotations=[
-        dict(x=(bs - 1)/2, y=-.9, text=f"logical blocks (seq {sid})", showarrow=False, font=dict(size=11)),
-        dict(x=bs + .9, y=-.9, text="table", showarrow=False, font=dict(size=11)),
-        dict(x=g + (bs - 1)/2, y=-.9, text="physical blocks (the pool)", showarrow=False,
-             font=dict(size=11))])
+                      margin=dict(l=40, r=10, t=90, b=110), annotations=heads)
     fig.update_xaxes(visible=False, range=[-.6, g + bs - .4], fixedrange=True)
     fig.update_yaxes(range=[max(nrows, nlog) - .5, -1.3], fixedrange=True, tickvals=list(range(nrows)),
                      ticktext=[str(b) for b in shown], side="right", showgrid=False, zeroline=False)
