@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 from fastcore.basics import patch
 from .block_manager import (BlockManager, Sequence, Block, NoFreeBlocksError, InvalidBlockError,
-                                   UnknownSequenceError, BlockManagerError, memory_snapshot, plot_memory_map)
+                                   UnknownSequenceError, BlockManagerError, memory_snapshot)
 
 # %% ../nbs/03_prefix_cache.ipynb #1ee1382a
 _ROOT = b"\0"*32          # the parent of a sequence's first block

@@ -10,8 +10,8 @@ __all__ = ['MODELS', 'GPUS', 'CUDA_CONTEXT', 'SIM_EXCLUDES', 'COST_MODELS', 'WOR
            'sim_dtype', 'CostModel', 'model_shape', 'step_features', 'cost_model', 'Simulator', 'SimRequest',
            'prompt_tokens', 'Workload', 'offline', 'poisson', 'concurrent', 'rate_sweep', 'shared_prompt',
            'seed_workload', 'SimEngine', 'SimulatedProposer', 'SimRun', 'serving_metrics', 'plot_sweep', 'metrics_html',
-           'capacity_widget', 'time_steps', 'fit_cost', 'cost_from_fit', 'relative_errors', 'engine_knob_values',
-           'measure', 'validation_workloads', 'predicted_vs_measured', 'format_validation']
+           'time_steps', 'fit_cost', 'cost_from_fit', 'relative_errors', 'engine_knob_values', 'measure',
+           'validation_workloads', 'predicted_vs_measured', 'format_validation']
 
 # %% ../nbs/09a_capacity.ipynb #sim-77de68da
 import dataclasses, json, math, random, time
@@ -22,7 +22,7 @@ import numpy as np
 from fastcore.basics import patch
 from .model import ModelConfig, DTYPES
 from .kv_cache import kv_bytes_per_token, sample_workload
-from .block_manager import kv_waste, memory_snapshot, plot_memory_map
+from .block_manager import kv_waste, memory_snapshot
 from .prefix_cache import make_block_manager
 from .scheduler import Scheduler, SchedulerConfig, Sequence, SequenceStatus
 from .runner import GPUMemory, gpu_kv_budget, num_kv_blocks, model_bytes, grouped_kv_line, GiB
@@ -662,41 +662,6 @@ def metrics_html(m, keys=SHOWN) -> str:
     cell = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)
     rows = "".join(f"<tr><td>{k}</td><td>{cell(m[k])}</td></tr>" for k in keys if k in m)
     return f"<table>{rows}</table>"
-
-# %% ../nbs/09a_capacity.ipynb #sim-215bb47d
-def capacity_widget(model="Llama-2-13B", device="A100-40GB", max_map_blocks=2048):
-    "Dropdowns and sliders for model, GPU, workload and knobs; Simulate shows memory, metrics and the pool."
-    import ipywidgets as W
-    from IPython.display import display
-    d = lambda opts, v, name: W.Dropdown(options=opts, value=v, description=name)
-    ui = dict(model=d(list(MODELS), model, "model"), device=d(list(GPUS), device, "GPU"),
-              workload=d(list(WORKLOADS), list(WORKLOADS)[0], "workload"),
-              gpu_memory_utilization=W.FloatSlider(value=0.9, min=0.5, max=0.98, step=0.01,
-                                                   description="gpu mem"),
-              max_num_batched_tokens=d([512, 1024, 2048, 4096, 8192], 2048, "batch tok"),
-              max_num_seqs=d([16, 64, 256, 1024], 256, "max seqs"),
-              max_model_len=d([2048, 4096], 2048, "max len"),
-              enable_prefix_caching=W.Checkbox(value=True, description="prefix caching"))
-    out, button = W.Output(), W.Button(description="Simulate", button_style="primary")
-    def run():
-        "The simulator and its run for the knobs set now."
-        knobs = {k: w.value for k, w in ui.items() if k not in ("model", "device", "workload")}
-        s = Simulator(ui["model"].value, ui["device"].value, **knobs)
-        return s, s.run(WORKLOADS[ui["workload"].value]())
-    def go(_=None):
-        out.clear_output()
-        with out:
-            try: s, r = run()
-            except (ValueError, RuntimeError) as e: return print(f"{type(e).__name__}: {e}")
-            display(W.HTML(metrics_html(r.metrics)))
-            if s.num_blocks <= max_map_blocks and r.snapshot: display(plot_memory_map(r.snapshot))
-        return r
-    button.on_click(go)
-    box = W.VBox([W.HBox([ui["model"], ui["device"], ui["workload"]]), W.HBox([ui["gpu_memory_utilization"],
-                  ui["max_num_batched_tokens"], ui["max_num_seqs"]]), W.HBox([ui["max_model_len"],
-                  ui["enable_prefix_caching"], button]), out])
-    box.controls, box.output, box.simulate, box.run = ui, out, go, run
-    return box
 
 # %% ../nbs/09a_capacity.ipynb #sim-812ed456
 CALIBRATION_SHAPES = [(1, 16, 16), (8, 16, 12), (32, 16, 8), (4, 1000, 8), (1, 128, 2), (1, 512, 2),

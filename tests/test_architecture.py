@@ -10,6 +10,7 @@ import pytest
 PKG = Path(__file__).resolve().parent.parent / "pagednb"
 MODULES = sorted(p.stem for p in PKG.glob("*.py") if p.stem != "_modidx")
 KERNELS = ("attention", "cpu_attention", "cpu_ops")
+VIEWS = ("plots", "figures", "compare_views", "attention_views", "widgets", "sim_views")     # the drawing code
 
 def _target(node):
     "The pagednb module (`'engine'`; `'__init__'` for the package) or the top-level package an import names."
@@ -86,15 +87,35 @@ def test_scheduler_imports_no_model_runner_or_engine():
           "the scheduler plans and the runner runs: the scheduler imports no model, runner or engine")
 
 def test_kernels_are_leaves():
-    check(importers_of(KERNELS, ["engine", "runner", "scheduler", "widgets"]),
+    check(importers_of(KERNELS, ["engine", "runner", "scheduler", *VIEWS]),
           "kernels (attention, cpu_attention, cpu_ops) are leaves: they import no engine, runner, scheduler "
           "or view")
 
 def test_engine_imports_no_view_or_server():
-    check(importers_of(["engine"], ["widgets", "serve"]), "the engine imports no widgets and no server")
+    check(importers_of(["engine"], [*VIEWS, "serve"]), "the engine imports no views and no server")
 
 def test_trace_is_data():
-    check(importers_of(["trace"], ["widgets"]), "the trace is data, drawn by others: it imports no widgets")
+    check(importers_of(["trace"], [*VIEWS, "live_engine"]), "the trace is data, drawn by others: it imports no views")
+
+def test_views_sit_on_top():
+    below = [m for m in MODULES if m not in VIEWS]
+    check(importers_of(below, VIEWS), "views (plots, figures, compare_views, attention_views, widgets, sim_views) sit "
+                                      "above the engine, the trace and the simulator: nothing below imports them")
+
+def test_views_draw_and_run_nothing():
+    drawing = ["plots", "figures", "compare_views", "attention_views", "widgets"]
+    check(importers_of(drawing, ["engine", "runner", "model", "scheduler", "sim"]),
+          "the views draw traces and snapshots: they import no engine, runner, model, scheduler or simulator "
+          "(live_engine runs the engine for the stepper)")
+
+def test_block_manager_keeps_books_only():
+    found = [(m, line, text) for m in ("block_manager", "prefix_cache") for line, t, text, _ in ALL[m]
+             if t in ("plotly", "pagednb.plots", "ipywidgets")]
+    check(found, "block_manager and prefix_cache keep the books: their colours and drawing are in plots")
+
+def test_simulator_imports_no_widgets():
+    check([("sim", line, text) for line, t, text, _ in ALL["sim"] if t == "ipywidgets"],
+          "the simulator is plain Python: its widget is in sim_views")
 
 def test_vllm_readers_are_data_code():
     readers = [m for m in ("vllm_read", "vllm_events") if m in ALL]

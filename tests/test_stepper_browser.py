@@ -10,9 +10,9 @@ from test_stepper_views import model_dir, parts, spec_run, attn_engine, ab, PROM
 from pagednb.engine import LLM
 from pagednb.sampling import SamplingParams
 from pagednb.trace import tracing
-from pagednb.widgets import (geometry, map_figure, map_panel, spec_figure, spec_panel, page_attention,
-                             compare,
-                             latency_figure, logical_to_physical, trace_animation)
+from pagednb.figures import geometry, map_figure, map_panel, spec_figure, spec_panel, latency_figure, trace_animation
+from pagednb.compare_views import compare, logical_to_physical
+from pagednb.attention_views import page_attention
 
 pytestmark = pytest.mark.skipif(bool(have_browser()), reason=str(have_browser()))
 

@@ -9,11 +9,12 @@ from pagednb.model import load_model, embedded_model_path
 from pagednb.engine import LLM
 from pagednb.sampling import SamplingParams
 from pagednb.trace import Trace, tracing
-from pagednb.widgets import (EngineStepper, geometry, map_panel, spec_panel, spec_figure,
-                             latency_series, latency_figure,
-                             compare, differences, trace_metrics, aligned_steps, logical_to_physical,
-                                 token_attention,
-                             page_attention, page_mass, has_speculation, seq_color, MAX_WIDTH)
+from pagednb.widgets import EngineStepper
+from pagednb.figures import (geometry, map_panel, spec_panel, spec_figure, latency_series, latency_figure,
+                             has_speculation, MAX_WIDTH)
+from pagednb.compare_views import compare, differences, trace_metrics, aligned_steps, logical_to_physical
+from pagednb.attention_views import token_attention, page_attention, page_mass
+from pagednb.plots import seq_color
 
 SYSTEM = "You are a kind teacher. Explain computer memory with one short, concrete example."
 PROMPTS = [f"{SYSTEM}\nQ: {q}\nA:" for q in ["What is a page?", "Why cache?", "What is a hash?"]]

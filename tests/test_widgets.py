@@ -9,10 +9,11 @@ from pagednb.engine import LLM
 from pagednb.model import load_model
 from pagednb.sampling import SamplingParams
 from pagednb.trace import Trace, tracing
-from pagednb.widgets import (EngineStepper, StepperState, geometry, map_panel, batch_panel, queue_panel, memory_series, seq_color,
-                             map_figure, batch_figure, queue_figure,
-                             trace_animation, trace_html, embed_controls, contiguous_vs_paged, prefix_sharing)
-from pagednb.block_manager import _FREE, _CACHED
+from pagednb.widgets import EngineStepper, StepperState, embed_controls
+from pagednb.figures import (geometry, map_panel, batch_panel, queue_panel, memory_series, map_figure, batch_figure,
+                             queue_figure, trace_animation, trace_html)
+from pagednb.compare_views import contiguous_vs_paged, prefix_sharing
+from pagednb.plots import seq_color, _FREE, _CACHED
 
 ROOT = Path(__file__).resolve().parents[1]
 SYSTEM = "You are a kind teacher. Explain computer memory with one short, concrete example."

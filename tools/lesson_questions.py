@@ -21,6 +21,8 @@ OPENINGS = {
                  "a pluggable attention backend", "`00_kv_cache`; a CPU is enough"),
     "02_block_manager": ("paged KV memory: blocks, the free queue, block tables, slot mapping, reference counts and "
                          "fork with copy-on-write", "`00_kv_cache`; no model, no GPU"),
+    "02a_plots": ("the colours of every view, the memory map of a pool and its block tables, and the memory-waste "
+                  "lab's bars", "`02_block_manager`"),
     "03_prefix_cache": ("hash chains over full blocks, the longest cached prefix, LRU eviction and the hit rate",
                         "`02_block_manager`; no model, no GPU"),
     "04_paged_attention": ("what paged attention computes, a torch reference, then Triton kernels: KV store, decode over "
@@ -42,11 +44,20 @@ OPENINGS = {
     "08_trace": ("the recorded trace of every engine step, the data the widgets draw", "`06b_engine`"),
     "08a_widgets": ("stepping through the real engine: the memory map, the batch, the queues, step by step",
                     "`08_trace`; Jupyter or the docs site"),
+    "08b_figures": ("a trace's panels as plain data, the figures built from them, and a page that animates a run "
+                    "with no kernel", "`08_trace`"),
+    "08c_compare_views": ("contiguous reservation against paging step by step, prefix sharing, two runs side by side, "
+                          "and one request's logical blocks mapped to physical ones", "`08b_figures`"),
+    "08e_live_engine": ("the engine-side half of live mode: a request typed in, steps run, a rebuild with other "
+                        "knobs, as functions of an engine and its trace", "`08_trace`"),
+    "08d_attention_views": ("which pages one token reads, and how much of its attention lands on each, from the live "
+                            "engine's paged cache", "`04_paged_attention`, `08b_figures`"),
     "09_benchmarks": ("throughput, memory and latency beside Hugging Face, vLLM and GuideLLM, measured side by side",
                       "`06b_engine`; optional peers in their own environments"),
     "09a_capacity": ("what vLLM's knobs do to a workload on a GPU you do not have: the real scheduler and block manager "
                      "stepped with a roofline cost model, calibrated and checked against this CPU",
                      "`05_scheduler`, `06_runner`, `08a_widgets`; a CPU is enough"),
+    "09d_sim_views": ("the simulator behind dropdowns: your model, your GPU, your workload", "`09a_capacity`"),
     "09b_reading_vllm": ("reading your own vLLM: its start-up log explained number by number (what "
                          "`gpu_memory_utilization` and `Maximum concurrency` really mean), checked on 23 published logs, "
                          "and its `/metrics` drawn over time", "`00_kv_cache`, `06_runner`; no GPU, no vLLM"),
@@ -191,6 +202,8 @@ PREDICT = {
              a="Step 0 is one 16-token chunk of the first prompt (the budget, chunked prefill). The prompts are longer "
                "than 12 pages can hold all at once, so yes: watch the queues panel for sequences sent back to waiting, "
                "and the map for their pages turning free."),
+    ],
+    "08c_compare_views": [
         dict(after="cvp = contiguous_vs_paged(tr)",
              q="**Predict:** at the busiest step, how many of the contiguous reservations would fit in this pool?",
              a="Fewer than run in the paged engine: each contiguous reservation is `max_model_len = 48` tokens, 12 "
