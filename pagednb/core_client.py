@@ -162,6 +162,20 @@ def _handshake(self: AsyncMPClient, timeout):
     if isinstance(msg, CoreFailed): raise _remote_error(msg.error_type, msg.message)
     raise RuntimeError(f"the engine core process did not start (exit code {self.proc.exitcode}); see its log")
 
+# %% ../nbs/10c_core_client.ipynb #core-submit
+@patch
+def _put(self: AsyncMPClient, msg):
+    "Send `msg` to the core (the caller holds the lock); a dead core is noticed by the output thread."
+    try: self.conn.send_bytes(self.enc.encode(msg))
+    except OSError: pass
+
+# %% ../nbs/10c_core_client.ipynb #core-lifecycle
+@patch
+def start(self: AsyncMPClient): return self          # the core started with the client
+
+@patch(as_prop=True)
+def is_running(self: AsyncMPClient): return not self.stopped and self.proc.is_alive()
+
 # %% ../nbs/10c_core_client.ipynb #core-read
 @patch
 def _read_outputs(self: AsyncMPClient):
@@ -224,13 +238,6 @@ def _stop(self: AsyncMPClient, ex):
     for dest in dests: dest(err)
     for reply in calls: reply(False, err)
 
-# %% ../nbs/10c_core_client.ipynb #core-submit
-@patch
-def _put(self: AsyncMPClient, msg):
-    "Send `msg` to the core (the caller holds the lock); a dead core is noticed by the output thread."
-    try: self.conn.send_bytes(self.enc.encode(msg))
-    except OSError: pass
-
 # %% ../nbs/10c_core_client.ipynb #core-submit-1
 @patch
 def submit(self: AsyncMPClient, items, arrival_time=None) -> RequestStream:
@@ -261,6 +268,13 @@ def _histogram(state):
     h.counts, h.sum, h.count = list(state[1]), state[2], state[3]
     return h
 
+# %% ../nbs/10c_core_client.ipynb #core-snapshot-1
+@patch
+def _answer(self: AsyncMPClient, msg):
+    with self._lock: reply = self._calls.pop(msg.call_id, None)
+    if reply is None: return
+    reply(msg.ok, msg.value if msg.ok else APIError(f"the engine core failed: {msg.value}", 500))
+
 # %% ../nbs/10c_core_client.ipynb #core-snapshot
 @patch
 async def snapshot(self: AsyncMPClient) -> dict:
@@ -274,20 +288,6 @@ async def snapshot(self: AsyncMPClient) -> dict:
         self._put(CoreUtility(cid, "snapshot"))
     s = await fut
     return {**s, **{k: _histogram(s[k]) for k in _HISTOGRAMS}}
-
-# %% ../nbs/10c_core_client.ipynb #core-snapshot-1
-@patch
-def _answer(self: AsyncMPClient, msg):
-    with self._lock: reply = self._calls.pop(msg.call_id, None)
-    if reply is None: return
-    reply(msg.ok, msg.value if msg.ok else APIError(f"the engine core failed: {msg.value}", 500))
-
-# %% ../nbs/10c_core_client.ipynb #core-lifecycle
-@patch
-def start(self: AsyncMPClient): return self          # the core started with the client
-
-@patch(as_prop=True)
-def is_running(self: AsyncMPClient): return not self.stopped and self.proc.is_alive()
 
 # %% ../nbs/10c_core_client.ipynb #core-lifecycle-1
 @patch
