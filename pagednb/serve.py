@@ -144,25 +144,6 @@ def _handlers(app):
         logger.exception("unexpected error in %s %s", request.method, request.url.path, exc_info=exc)
         return APIError(f"internal error: {type(exc).__name__}: {exc}", 500).response()
 
-# %% ../nbs/10e_serve.ipynb #e3799652
-def build_app(server: OpenAIServer) -> FastAPI:
-    "The FastAPI app of an `OpenAIServer`: the engine (thread or core process) stops with the app."
-    @contextlib.asynccontextmanager
-    async def lifespan(app):
-        server.aengine.start()
-        yield
-        server.aengine.shutdown()
-    on = server.enable_docs
-    docs = dict(docs_url="/docs" if on else None, redoc_url="/redoc" if on else None,
-                openapi_url="/openapi.json" if on else None)
-    app = FastAPI(title="pagednb", description="OpenAI-compatible API over the pagednb paged engine",
-                  lifespan=lifespan, **docs)
-    app.state.server = server
-    _handlers(app)
-    _routes(app, server)
-    guarded = ("/v1",) + (("/docs", "/redoc", "/openapi.json") if server.enable_docs else ())
-    return _Guard(app, server.api_keys, server.max_body_bytes, server.allowed_hosts, guarded)
-
 # %% ../nbs/10e_serve.ipynb #c21f699b
 def _routes(app, server):
     async def health():
@@ -191,6 +172,25 @@ def _routes(app, server):
     async def tokenize(body: TokenizeRequest): return server.tokenize(body)
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest): return server.detokenize(body)
+
+# %% ../nbs/10e_serve.ipynb #e3799652
+def build_app(server: OpenAIServer) -> FastAPI:
+    "The FastAPI app of an `OpenAIServer`: the engine (thread or core process) stops with the app."
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        server.aengine.start()
+        yield
+        server.aengine.shutdown()
+    on = server.enable_docs
+    docs = dict(docs_url="/docs" if on else None, redoc_url="/redoc" if on else None,
+                openapi_url="/openapi.json" if on else None)
+    app = FastAPI(title="pagednb", description="OpenAI-compatible API over the pagednb paged engine",
+                  lifespan=lifespan, **docs)
+    app.state.server = server
+    _handlers(app)
+    _routes(app, server)
+    guarded = ("/v1",) + (("/docs", "/redoc", "/openapi.json") if server.enable_docs else ())
+    return _Guard(app, server.api_keys, server.max_body_bytes, server.allowed_hosts, guarded)
 
 # %% ../nbs/10e_serve.ipynb #67944744
 def header_timeout_protocol(seconds=HEADER_TIMEOUT):
@@ -247,7 +247,7 @@ def serve(model=None, host="127.0.0.1", port=8000, api_key=None, served_model_na
     "Load `model` (default: the embedded SmolLM2-135M-Instruct) and serve the OpenAI API on `host:port`."
     import uvicorn
     core = build_engine_client(model, disable_frontend_multiprocessing, max_logprobs=max_logprobs,
-                           **engine_kwargs)
+                               **engine_kwargs)
     if core.engine.tokenizer is None:
         core.shutdown()
         raise ValueError(f"{model} has no tokenizer (tokenizer.json or tokenizer_config.json): pagednb serve "

@@ -85,6 +85,12 @@ TIMES = {   # `python3 bootstrap.py test`: each lesson under nbdev-test, two at 
     '09a_capacity': 'runs in 76 s (peak 1.9 GiB) on a 2-core CPU',
     '09b_reading_vllm': 'runs in 11 s (peak 0.1 GiB) on a 2-core CPU',
     '09c_vllm_events': 'runs in 2 s (peak 0.1 GiB) on a 2-core CPU',
+    '10_protocol': 'runs in 2 s (peak 0.1 GiB) on a 2-core CPU',
+    '10a_metrics': 'runs in 1 s (peak 0.1 GiB) on a 2-core CPU',
+    '10b_core': 'runs in 28 s (peak 1.5 GiB) on a 2-core CPU',
+    '10c_core_client': 'runs in 57 s (peak 1.5 GiB) on a 2-core CPU',
+    '10d_serving': 'runs in 12 s (peak 0.5 GiB) on a 2-core CPU',
+    '10e_serve': 'runs in 28 s (peak 1.5 GiB) on a 2-core CPU',
     '11_cli': 'runs in 10 s (peak 1.5 GiB) on a 2-core CPU',
 }
 
