@@ -14,10 +14,10 @@ __all__ = ['VLLM_ENV', 'PREFIX_SIZES', 'CHUNKED_SIZES', 'GROUNDED_PROMPTS', 'OPE
            'profile_pagednb', 'format_profile', 'host_model', 'bench_host', 'format_host', 'find_guidellm',
            'guidellm_profile', 'guidellm_command', 'load_seeds', 'parse_guidellm', 'server_command', 'ServerProcess',
            'run_guidellm', 'load_name', 'bench_guidellm', 'format_guidellm', 'format_report', 'run_benchmarks',
-           'make_parser', 'main']
+           'make_parser', 'main', 'benchmark_server']
 
 # %% ../nbs/09_benchmarks.ipynb #d6f3b17d
-import argparse, itertools, json, os, platform, random, statistics, subprocess, sys, tempfile, time, textwrap
+import argparse, asyncio, itertools, json, os, platform, random, statistics, subprocess, sys, tempfile, time, textwrap
 from dataclasses import dataclass, field, asdict
 import torch
 import torch.nn as nn
@@ -1113,3 +1113,53 @@ def main(argv=None):
         with open(a.save, "w") as f: json.dump(report, f, indent=1)
     print(json.dumps(report, indent=1) if a.json else format_report(report), flush=True)
     return report
+
+# %% ../nbs/09_benchmarks.ipynb #cc9aaf30
+def _pct(xs, q):
+    xs = sorted(xs)
+    return float("nan") if not xs else xs[min(len(xs) - 1, max(0, round(q/100*(len(xs) - 1))))]
+
+async def _bench_level(base_url, api_key, model, concurrency, num_requests, max_tokens, prompt):
+    import openai
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600)
+    sem, ttft, itl, ntok = asyncio.Semaphore(concurrency), [], [], []
+    async def one(i):
+        async with sem:
+            t0, last, n = time.perf_counter(), None, 0
+            s = await client.completions.create(model=model, prompt=f"{prompt} (request {i})",
+                                                max_tokens=max_tokens,
+                                                temperature=0, stream=True,
+                                                stream_options={"include_usage": True},
+                                                extra_body={"ignore_eos": True})
+            async for c in s:
+                now = time.perf_counter()
+                if c.choices and c.choices[0].text:
+                    if last is None: ttft.append(now - t0)
+                    else: itl.append(now - last)
+                    last = now
+                if c.usage: n = c.usage.completion_tokens
+            ntok.append(n)
+    t0 = time.perf_counter()
+    await asyncio.gather(*[one(i) for i in range(num_requests)])
+    dt = time.perf_counter() - t0
+    await client.close()
+    return dict(concurrency=concurrency, requests=num_requests, seconds=round(dt, 2),
+                req_per_s=num_requests/dt,
+                output_tok_per_s=sum(ntok)/dt, ttft_p50_ms=1e3*_pct(ttft, 50), ttft_p99_ms=1e3*_pct(ttft, 99),
+                itl_p50_ms=1e3*_pct(itl, 50), itl_p99_ms=1e3*_pct(itl, 99))
+
+# %% ../nbs/09_benchmarks.ipynb #cc9aaf30-1
+def benchmark_server(base_url, concurrency=(1, 8, 32, 128), num_requests=None, max_tokens=16, api_key="EMPTY",
+                     model=None, prompt="Write a short story about a lighthouse keeper"):
+    "Load-test an OpenAI-compatible server at each concurrency; returns throughput and latency per level."
+    import concurrent.futures, httpx
+    base_url = base_url.rstrip("/") + ("" if base_url.rstrip("/").endswith("/v1") else "/v1")
+    auth = {"Authorization": f"Bearer {api_key}"}
+    model = model or httpx.get(base_url + "/models", headers=auth).json()["data"][0]["id"]
+    rows = []
+    for c in concurrency:
+        n = num_requests(c) if callable(num_requests) else num_requests or max(4, c)
+        coro = _bench_level(base_url, api_key, model, c, n, max_tokens, prompt)
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:
+            rows.append(ex.submit(asyncio.run, coro).result())
+    return rows

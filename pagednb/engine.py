@@ -160,7 +160,7 @@ def _start(self: LLMEngine, seed, speculative_config):
     self._failures, self._forked, self.dead = 0, [], None
     self._stops = {}                                     # (request_id, index) -> stop string found outside
     self._moved = {}                                     # request_id -> request: this step's new tokens
-    self.detokenize = True                               # False: another process decodes (`10_serve`'s core)
+    self.detokenize = True                               # False: another process decodes (`10b_core`)
     self.spec = None
     if speculative_config is not None:                   # `07_speculative`
         self.spec = SpecDecoder.from_config(speculative_config, self)

@@ -91,8 +91,23 @@ def test_kernels_are_leaves():
           "kernels (attention, cpu_attention, cpu_ops) are leaves: they import no engine, runner, scheduler "
           "or view")
 
+SERVER = ["protocol", "metrics", "core", "core_client", "serving", "serve"]     # the server's rooms, lowest first
+
 def test_engine_imports_no_view_or_server():
-    check(importers_of(["engine"], [*VIEWS, "serve"]), "the engine imports no views and no server")
+    check(importers_of(["engine"], [*VIEWS, *SERVER]), "the engine imports no views and no server")
+
+@pytest.mark.parametrize("room,above", [("protocol", ["engine", "core", "core_client", "serving", "serve"]),
+                                        ("metrics", ["engine", "core", "core_client", "serving", "serve"]),
+                                        ("core", ["core_client", "serving", "serve"]),
+                                        ("core_client", ["serving", "serve"]), ("serving", ["serve"])])
+def test_server_rooms_import_only_lower_rooms(room, above):
+    check(importers_of([room], above), f"{room} imports none of the server's higher rooms ({', '.join(above)}): "
+                                       "protocol and metrics < core < core_client < serving < serve")
+
+@pytest.mark.parametrize("room", ["core", "core_client"])
+def test_engine_core_knows_no_http(room):
+    found = [(room, line, text) for line, t, text, _ in ALL[room] if t in ("fastapi", "starlette", "uvicorn")]
+    check(found, f"{room} speaks to the engine, not to HTTP: it imports no fastapi, starlette or uvicorn")
 
 def test_trace_is_data():
     check(importers_of(["trace"], [*VIEWS, "live_engine"]), "the trace is data, drawn by others: it imports no views")

@@ -202,3 +202,28 @@ def test_stop_strings_are_found_by_the_api_server(model_dir):
     finally:
         two.stop()
         one.stop()
+
+def test_serve_hands_max_logprobs_to_the_engine(monkeypatch):
+    "`serve(max_logprobs=...)` is the server's limit and the engine's too: the engine client is built with it."
+    import pagednb.serve
+    seen = {}
+    class NoTokenizer:
+        engine = type("Config", (), {"tokenizer": None})()
+        def shutdown(self): seen["shutdown"] = True
+    def client(model, disable_frontend_multiprocessing, **engine_kwargs):
+        seen.update(engine_kwargs)
+        return NoTokenizer()
+    monkeypatch.setattr(pagednb.serve, "build_engine_client", client)
+    with pytest.raises(ValueError, match="no tokenizer"): pagednb.serve.serve("tiny", max_logprobs=7, seed=3)
+    assert seen == {"max_logprobs": 7, "seed": 3, "shutdown": True}
+
+def test_engine_and_server_agree_on_max_logprobs(model_dir):
+    "`--max-logprobs 30` above the engine's default of 20: the core takes 25 logprobs as the server does."
+    srv = Server(model_dir, "--max-logprobs", "30")
+    try:
+        r = httpx.post(srv.url + "/v1/completions", json={**GOOD, "logprobs": 25}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert len(r.json()["choices"][0]["logprobs"]["top_logprobs"][0]) >= 25
+        r = httpx.post(srv.url + "/v1/completions", json={**GOOD, "logprobs": 31}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
+    finally: srv.stop()

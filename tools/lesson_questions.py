@@ -63,8 +63,19 @@ OPENINGS = {
                          "and its `/metrics` drawn over time", "`00_kv_cache`, `06_runner`; no GPU, no vLLM"),
     "09c_vllm_events": ("vLLM's block hashes computed exactly, its KV-cache events read live or recorded, and a mirror of "
                         "its prefix cache that says which blocks of a prompt it holds", "`03_prefix_cache`, `09b_reading_vllm`"),
-    "10_serve": ("an OpenAI-compatible server (`vllm serve`) over the engine", "`06b_engine`"),
-    "11_cli": ("the command line", "`10_serve`"),
+    "10_protocol": ("OpenAI's request bodies and error JSON: strictly typed fields, unknown fields a warning",
+                    "`06a_sampling`; no model"),
+    "10a_metrics": ("vLLM's `vllm:` Prometheus metrics: histograms, the text exposition, a snapshot of the engine",
+                    "`06b_engine`; no model"),
+    "10b_core": ("the engine core: one loop that owns the engine, in a thread or in a process of its own, and the "
+                 "msgspec messages it exchanges over pipes", "`06b_engine`, `10_protocol`, `10a_metrics`"),
+    "10c_core_client": ("the API server's client of an engine core in another process: outputs rebuilt from tokens, "
+                        "text decoded, stop strings found", "`10b_core`"),
+    "10d_serving": ("how an OpenAI request becomes engine requests, and outputs become responses, whole or streamed",
+                    "`10_protocol`, `10c_core_client`"),
+    "10e_serve": ("an OpenAI-compatible server (`vllm serve`) over the engine: the HTTP app, its guards and routes",
+                  "`10d_serving`"),
+    "11_cli": ("the command line", "`10e_serve`"),
 }
 TIMES = {   # `python3 bootstrap.py test`: each lesson under nbdev-test, two at a time, on a 2-core CPU (AMD EPYC)
     '00_kv_cache': 'runs in 35 s (peak 1.4 GiB) on a 2-core CPU',
@@ -85,7 +96,12 @@ TIMES = {   # `python3 bootstrap.py test`: each lesson under nbdev-test, two at 
     '09a_capacity': 'runs in 76 s (peak 1.9 GiB) on a 2-core CPU',
     '09b_reading_vllm': 'runs in 11 s (peak 0.1 GiB) on a 2-core CPU',
     '09c_vllm_events': 'runs in 2 s (peak 0.1 GiB) on a 2-core CPU',
-    '10_serve': 'runs in 14 s (peak 1.6 GiB) on a 2-core CPU',
+    '10_protocol': 'runs in 2 s (peak 0.1 GiB) on a 2-core CPU',
+    '10a_metrics': 'runs in 1 s (peak 0.1 GiB) on a 2-core CPU',
+    '10b_core': 'runs in 28 s (peak 1.5 GiB) on a 2-core CPU',
+    '10c_core_client': 'runs in 57 s (peak 1.5 GiB) on a 2-core CPU',
+    '10d_serving': 'runs in 12 s (peak 0.5 GiB) on a 2-core CPU',
+    '10e_serve': 'runs in 28 s (peak 1.5 GiB) on a 2-core CPU',
     '11_cli': 'runs in 10 s (peak 1.5 GiB) on a 2-core CPU',
 }
 
