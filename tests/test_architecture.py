@@ -179,3 +179,38 @@ def test_the_checks_see_every_form():
                    ("pagednb.__init__", False), ("pagednb.trace", True), ("torch", True)], got
     assert find_cycle({"a": ["b"], "b": ["c"], "c": ["a"]}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": ["b"], "b": []}) is None
+
+
+# --- the floor plan of ARCHITECTURE.md, as allow-lists: a module may import only modules on lower floors ---
+
+FLOORS = {   # floor -> the modules on it, as ARCHITECTURE.md draws them
+    1: ["__init__", "kv_cache", "block_manager", "hybrid_kv", "attention", "sampling", "trace", "protocol",
+        "metrics", "vllm_read", "vllm_events"],
+    2: ["model", "scheduler", "prefix_cache", "plots"],
+    3: ["cpu_attention", "engine_args", "figures"],
+    4: ["cpu_ops", "compare_views", "attention_views"],
+    5: ["runner"], 6: ["spec_decode"], 7: ["engine"],
+    8: ["core", "live_engine", "bench", "sim", "puzzles"],
+    9: ["core_client", "widgets", "sim_views"], 10: ["serving"], 11: ["serve"], 12: ["cli"],
+}
+FLOOR = {m: f for f, ms in FLOORS.items() for m in ms}
+
+def allowed(module):
+    "The allow-list of `module`: every module on a lower floor."
+    return {m for m, f in FLOOR.items() if f < FLOOR[module]}
+
+def test_every_module_has_a_floor():
+    missing = sorted(set(MODULES) - set(FLOOR))
+    assert not missing, f"modules {missing} are on no floor of ARCHITECTURE.md's plan: place them in FLOORS and there"
+
+@pytest.mark.parametrize("module", MODULES)
+def test_imports_only_lower_floors(module):
+    bad = [(module, line, text) for line, t, text, _ in ALL[module]
+           if t.startswith("pagednb.") and t[len("pagednb."):] not in allowed(module) | {module, "__init__"}]
+    check(bad, f"{module} (floor {FLOOR[module]}) may import only modules on lower floors")
+
+def test_floor_plan_matches_architecture_md():
+    text = (PKG.parent / "ARCHITECTURE.md").read_text()
+    for f, ms in FLOORS.items():
+        for m in ms:
+            if m != "__init__": assert m in text, f"ARCHITECTURE.md's floor plan lacks {m}"

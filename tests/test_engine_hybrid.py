@@ -23,9 +23,9 @@ def family(request, tmp_path_factory):
     ref = [_hf_greedy(hf, p) for p in prompts]
     return request.param, parts, prompts, ref
 
-def _hf_greedy(hf, p):
+def _hf_greedy(hf, p, n=MAX_NEW):
     x = torch.tensor([p])
-    out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_NEW, min_new_tokens=MAX_NEW,
+    out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
                       do_sample=False, pad_token_id=0)
     return out[0, len(p):].tolist()
 
@@ -37,7 +37,7 @@ def check_all_free(llm):
 
 def run(parts, prompts, sp=None, **kw):
     llm = LLM(parts, log=False, **kw)
-    sp = sp or SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=MAX_NEW, ignore_eos=True)   # as min_new_tokens
+    sp = sp or SamplingParams(temperature=0, max_tokens=MAX_NEW, min_tokens=MAX_NEW)     # EOS masked, as min_new_tokens
     outs = llm.generate(prompts, sp, use_tqdm=False)
     check_all_free(llm)
     return llm, [o.outputs[0].token_ids for o in outs]
@@ -48,9 +48,11 @@ CASES = {
     "block_size_32": dict(max_model_len=256, block_size=32),
     "prefix_caching_off": dict(max_model_len=256, enable_prefix_caching=False),
     "chunks_16": dict(max_model_len=256, max_num_batched_tokens=16),
-    "preemption": dict(max_model_len=160, max_num_batched_tokens=64),          # the pool: one request's worth
+    "preemption": dict(max_model_len=160, max_num_batched_tokens=16),          # the pool: one request's worth
     "ngram": dict(max_model_len=256, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                                          "prompt_lookup_max": 3}),
+    "draft_model": dict(max_model_len=256, speculative_config={"method": "draft_model", "model": "self",
+                                                               "num_layers": 2, "num_speculative_tokens": 3}),
 }
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -66,3 +68,17 @@ def _one_request(parts, max_model_len, max_num_batched_tokens, block_size=16):
     "The blocks one request of `max_model_len` needs at most, over every group, the null block with them."
     groups = model_kv_groups(parts[2])
     return need_blocks(groups, block_size, max_model_len, max_num_batched_tokens) or -(-max_model_len//block_size)
+
+
+def test_windows_everywhere_outlive_a_full_cache(tmp_path):
+    "A window in every layer: 220 tokens in a pool whose blocks would hold 40 as a full cache, never preempted."
+    hf = tiny_hybrid_model("mistral_swa", tmp_path)
+    parts = load_model(tmp_path, dtype="float32", device="cpu")
+    kw = dict(max_model_len=256, block_size=4, max_num_batched_tokens=16)
+    pool = _one_request(parts, **kw) + 1
+    p = list(range(5, 25))
+    sp = SamplingParams(temperature=0, max_tokens=200, min_tokens=200)
+    llm, got = run(parts, [p], sp, num_gpu_blocks_override=pool, **kw)
+    assert pool*4 < len(p) + 200
+    assert llm.get_metrics()["num_preemptions"] == 0
+    assert got == [_hf_greedy(hf, p, 200)]

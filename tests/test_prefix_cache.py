@@ -233,3 +233,38 @@ def test_replay_preempts_when_the_pool_runs_out():
     res = replay_requests(bm, prompts, output_len=10, max_num_seqs=6)
     assert res["preemptions"] > 0 and bm.num_used_blocks == 0
     bm.check_invariants([])
+
+
+# --- KV-cache groups: a full group and a window group over one pool ---
+
+def _run_through(bm, seq):
+    "Admit `seq`, compute all its tokens, let the window give blocks back, register; then free it."
+    bm.allocate(seq, seq.num_tokens, bm.get_computed_blocks(seq))
+    seq.num_computed_tokens = seq.num_tokens
+    bm.cache_blocks(seq, seq.num_tokens)
+    bm.free_skipped(seq)
+    bm.deallocate(seq)
+
+def test_hybrid_hit_worked_by_hand():
+    "A full group serves the cached prefix from block 0; a window of 6 only needs the 2 blocks before the hit."
+    bm = PrefixCachingBlockManager(40, 4, watermark=0.0, windows=(None, 6))
+    a = Sequence(0, list(range(100, 124)))                   # 24 tokens, 6 full blocks
+    _run_through(bm, a)
+    b = Sequence(1, list(range(100, 120)) + [7]*8)          # shares blocks 0..4 (20 tokens), 28 tokens
+    hit = bm.get_computed_blocks(b)
+    assert len(hit) == 5
+    assert [h[1] for h in hit[:3]] == [bm.null_block]*3     # the window group needs blocks 3 and 4 only
+    assert all(h[0] != bm.null_block for h in hit) and all(h[1] != bm.null_block for h in hit[3:])
+    assert b.group_hit_tokens == [20, 20]
+
+def test_hybrid_hit_is_the_shortest_group_and_counted_per_group():
+    "The window gave its early blocks back first; a later request evicts them; the next hit is what all serve."
+    bm = PrefixCachingBlockManager(41, 4, watermark=0.0, windows=(None, 6))    # 40 blocks and the null block
+    _run_through(bm, Sequence(0, list(range(100, 124))))    # the window group's blocks 0..3 are freed first
+    _run_through(bm, Sequence(1, list(range(300, 364))))    # 2 x 16 blocks: 28 free ones, then 4 evicted (LRU)
+    b = Sequence(2, list(range(100, 120)) + [7]*8)
+    hit = bm.get_computed_blocks(b)
+    assert b.group_hit_tokens == [20, 0]                     # the full group alone could serve the document
+    assert hit == []                                         # but a hybrid hit must be served by every group
+    bm.allocate(b, b.num_tokens, hit)
+    assert bm.prefix_cache_stats.hits_per_group == [20, 0] and bm.prefix_cache_stats.hits == 0

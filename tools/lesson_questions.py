@@ -17,17 +17,21 @@ from pathlib import Path
 OPENINGS = {
     "00_kv_cache": ("how many bytes one token's K/V costs, why a cache beats recomputing, and how much a contiguous "
                     "per-request reservation wastes", "Python and PyTorch basics; a CPU is enough"),
-    "01_model": ("a Llama-family forward pass (SmolLM2, Llama, Mistral, Qwen) that loads Hugging Face weights and calls "
-                 "a pluggable attention backend", "`00_kv_cache`; a CPU is enough"),
+    "01_model": ("a Llama-family forward pass (SmolLM2, Llama, Mistral, Qwen, Gemma), with per-layer sliding windows, that loads Hugging Face weights and calls a pluggable attention backend",
+        "`00_kv_cache`; a CPU is enough"),
     "02_block_manager": ("paged KV memory: blocks, the free queue, block tables, slot mapping, reference counts and "
                          "fork with copy-on-write", "`00_kv_cache`; no model, no GPU"),
     "02a_plots": ("the colours of every view, the memory map of a pool and its block tables, and the memory-waste "
                   "lab's bars", "`02_block_manager`"),
     "03_prefix_cache": ("hash chains over full blocks, the longest cached prefix, LRU eviction and the hit rate",
                         "`02_block_manager`; no model, no GPU"),
-    "04_paged_attention": ("what paged attention computes, a torch reference, then Triton kernels: KV store, decode over "
-                           "pages with an online softmax, split-K", "`02_block_manager`; a GPU, or Triton's interpreter on a CPU"),
-    "04a_cpu_attention": ("the CPU fast path: a C++ paged kernel that reads pages in place", "`04_paged_attention`; a C++ compiler"),
+    "03a_hybrid_kv": ("sliding-window and local/global layers (Mistral, Gemma 2 and 3): the KV bytes a window saves, "
+                      "vLLM's KV-cache groups over one pool, blocks given back as the window passes, and the prefix "
+                      "cache's rule for them, on the real engine", "`03_prefix_cache`; a CPU is enough"),
+    "04_paged_attention": ("what paged attention computes, a torch reference, then Triton kernels: KV store, decode over pages with an online softmax, split-K; each layer's sliding window and soft cap",
+        "`02_block_manager`; a GPU, or Triton's interpreter on a CPU"),
+    "04a_cpu_attention": ("the CPU fast path: a C++ paged kernel that reads pages in place, and only the pages inside a sliding window",
+        "`04_paged_attention`; a C++ compiler"),
     "04b_cpu_ops": ("fused layer operations and packed weights for the CPU", "`04a_cpu_attention`; a C++ compiler"),
     "05_scheduler": ("continuous batching under a token budget, chunked prefill and preemption by recompute",
                      "`02_block_manager`, `03_prefix_cache`; no model, no GPU"),
@@ -78,12 +82,13 @@ OPENINGS = {
     "11_cli": ("the command line", "`10e_serve`"),
 }
 TIMES = {   # `python3 bootstrap.py test`: each lesson under nbdev-test, two at a time, on a 2-core CPU (AMD EPYC)
+    '03a_hybrid_kv': 'runs in 112 s (peak 1.5 GiB) on a 2-core CPU',
     '00_kv_cache': 'runs in 35 s (peak 1.4 GiB) on a 2-core CPU',
-    '01_model': 'runs in 12 s (peak 1.5 GiB) on a 2-core CPU',
+    '01_model': "runs in 12 s (peak 1.5 GiB) on a 2-core CPU",
     '02_block_manager': 'runs in 9 s (peak 1.5 GiB) on a 2-core CPU',
     '03_prefix_cache': 'runs in 8 s (peak 1.5 GiB) on a 2-core CPU',
-    '04_paged_attention': 'runs in 5 s (peak 0.6 GiB) on a 2-core CPU',
-    '04a_cpu_attention': 'runs in 7 s (peak 1.1 GiB) on a 2-core CPU',
+    '04_paged_attention': "runs in 5 s (peak 0.6 GiB) on a 2-core CPU",
+    '04a_cpu_attention': "runs in 7 s (peak 1.1 GiB) on a 2-core CPU",
     '04b_cpu_ops': 'runs in 4 s (peak 0.7 GiB) on a 2-core CPU',
     '05_scheduler': 'runs in 7 s (peak 1.5 GiB) on a 2-core CPU',
     '06_runner': 'runs in 2 s (peak 0.4 GiB) on a 2-core CPU',
@@ -142,6 +147,21 @@ PREDICT = {
                "3, 4 and 5?",
              a="`[23, 4, 5]`: position 3 is offset 3 of block 5 (`5*4 + 3`); positions 4 and 5 are offsets 0 and 1 of "
                "block 1. Neighbouring positions need not be neighbouring slots."),
+    ],
+    "03a_hybrid_kv": [
+        dict(after="WINDOWED[\"layer_types\"][:7]",
+             q="**Predict** before the next cells run: 320 tokens are generated with every layer keeping every token, "
+               "then with 25 of the 30 layers keeping a window of 64. At the end, how much less memory does the "
+               "windowed request hold: about 5/6 less, about half, or about a quarter?",
+             a="About two thirds less here, not 5/6: the 5 global layers still keep all 320 tokens, and each window "
+               "group keeps its 64 tokens plus a prefill's worth and a partly filled block. The longer the sequence, "
+               "the closer the saving gets to 5/6."),
+        dict(after="def second_question_hits(llm, answer_len=160):",
+             q="**Predict:** with a pool of only 90 blocks, the first answer needs blocks after the window has given "
+               "back the document's early blocks. Which group's hits will fall, and what will the hybrid hit be?",
+             a="The window groups': the blocks they need (the last 63 tokens before the hit point) were freed first and "
+               "are evicted first. The full group keeps the whole document, but a hybrid hit is the minimum over the "
+               "groups, so it falls to 0."),
     ],
     "03_prefix_cache": [
         dict(after="plot_memory_map(bm, cols=8)",
@@ -257,6 +277,20 @@ QUESTIONNAIRES = {
         ("What does paging leave of the three losses of contiguous reservation?",
          "Only internal fragmentation inside each sequence's last block, less than one block per sequence; no "
          "reservation ahead, and no external fragmentation since any free block will do."),
+    ],
+    "03a_hybrid_kv": [
+        ("Why does vLLM put every group's blocks in one pool, and what must be equal for that to work?",
+         "So that memory freed by one kind of layer serves any other; a block must be the same size in every group, "
+         "so every group holds the same number of layers (padded where the counts differ)."),
+        ("Which blocks does a window group give back, and when?",
+         "Those whose every position is older than the next query's window (`num_computed - window + 1`), as soon "
+         "as the step that passed them is done; the table keeps the null block in their place."),
+        ("Why can a hybrid model miss a prefix that its full-attention layers hold?",
+         "A hit must be served by every group; a window group needs the blocks just before the hit point, which it "
+         "gave back early, so they are the first evicted under pressure."),
+        ("What does vLLM's 'maximum concurrency' divide the pool by for a hybrid model?",
+         "The blocks one request of max_model_len holds at most: a full group's blocks for every token, a window "
+         "group's for its window plus one step's tokens, plus one."),
     ],
     "03_prefix_cache": [
         ("Why does a block's hash include its parent's hash?",
