@@ -260,7 +260,8 @@ def _size(self: Simulator):
     bs, over, per_block = a.block_size, a.num_gpu_blocks_override, len(groups[0].layers)
     stand_in = sizing_model(self.config, b, "cpu" if self.gpu is None else "cuda")
     layer_bytes = kv_bytes_per_token(self.config, b)//self.config.num_hidden_layers
-    if self.gpu is not None and over is None: over = self._gpu_blocks(layer_bytes*per_block*bs)
+    fit = self._gpu_blocks(layer_bytes*per_block*bs) if self.gpu is not None else None   # the GPU's memory too
+    over = fit if over is None else over
     sizes = (a.gpu_memory_utilization, a.kv_cache_memory_bytes, over)
     need = need_blocks(groups, bs, c.max_model_len, c.max_num_batched_tokens)
     n, bb = num_kv_blocks(stand_in, bs, c.max_model_len, c.max_num_batched_tokens, *sizes,

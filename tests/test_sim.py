@@ -97,3 +97,42 @@ def test_prints_the_engine_start_up_line(capsys):
     assert "max concurrency at max_model_len: " in out
     assert "bfloat16" in out
     assert S.Simulator("SmolLM2-135M", "T4", max_model_len=1024, log=False).dtype == "float16"
+
+
+# --- hybrid models: sized by their KV-cache groups, stepped through the grouped block manager ---
+
+from pagednb.hybrid_kv import max_concurrency, model_kv_groups
+
+@pytest.mark.parametrize("model,kinds", [("Mistral-7B-v0.1", {4096: 1}), ("gemma-2-9b", {4096: 1, None: 1}),
+                                         ("gemma-3-12b", {1024: 5, None: 1}), ("gemma-3-27b", {1024: 6, None: 1})])
+def test_hybrid_models_are_sized_by_their_groups(model, kinds):
+    s = S.Simulator(model, "A100-80GB", max_model_len=8192, log=False)
+    got = {}
+    for g in s.kv_groups: got[g.window] = got.get(g.window, 0) + 1
+    assert got == kinds and "KV-cache group" in s.kv_line
+    c = s.sched_config
+    want = max_concurrency(s.kv_groups, s.num_blocks, 16, c.max_model_len, c.max_num_batched_tokens, null_block=0)
+    assert s.memory["max_concurrency"] == want
+    assert s.block_bytes == s.shape["kv_bytes_per_token"]//s.config.num_hidden_layers*len(s.kv_groups[0].layers)*16
+
+def test_a_window_raises_concurrency_for_the_same_bytes():
+    full = S.Simulator("Mistral-7B", "A100-80GB", max_model_len=32768, log=False)
+    windowed = S.Simulator("Mistral-7B-v0.1", "A100-80GB", max_model_len=32768, log=False)
+    assert full.num_blocks == windowed.num_blocks                      # one group of every layer: the same blocks
+    assert windowed.memory["max_concurrency"] > 4*full.memory["max_concurrency"]
+
+def test_qwen2_windows_through_hf_overrides():
+    o = dict(use_sliding_window=True, sliding_window=4096, max_window_layers=14)
+    s = S.Simulator("Qwen2.5-7B", "A100-80GB", max_model_len=32768, log=False, hf_overrides=o)
+    assert [g.window for g in s.kv_groups] == [None, 4096]
+    assert s.memory["max_concurrency"] > S.Simulator("Qwen2.5-7B", "A100-80GB", max_model_len=32768,
+                                                     log=False).memory["max_concurrency"]
+
+def test_windows_free_blocks_in_the_simulated_run():
+    "Long outputs on a pool one full-attention request would fill: the windowed model never preempts."
+    kw = dict(max_model_len=16384, num_gpu_blocks_override=2400, log=False)       # 38,400 tokens
+    wl = S.offline(8, 512, 6000)                                                   # 52,096 tokens in all
+    full = S.Simulator("Mistral-7B", "A100-80GB", **kw).run(wl)
+    windowed = S.Simulator("Mistral-7B-v0.1", "A100-80GB", **kw).run(wl)
+    assert full.metrics["num_preemptions"] > 0 and windowed.metrics["num_preemptions"] == 0
+    assert windowed.metrics["generation_tokens"] == full.metrics["generation_tokens"] == 8*6000
