@@ -52,8 +52,12 @@ OPENINGS = {
                         "knobs, as functions of an engine and its trace", "`08_trace`"),
     "08d_attention_views": ("which pages one token reads, and how much of its attention lands on each, from the live "
                             "engine's paged cache", "`04_paged_attention`, `08b_figures`"),
-    "09_benchmarks": ("throughput, memory and latency beside Hugging Face, vLLM and GuideLLM, measured side by side",
+    "09_benchmarks": ("throughput, memory and latency beside Hugging Face and vLLM, measured side by side in one process",
                       "`06b_engine`; optional peers in their own environments"),
+    "09e_bench_serving": ("serving measured from the client's side: GuideLLM against `pagednb serve` and `vllm serve`, "
+                          "TTFT, inter-token latency and tokens a second under a load", "`09_benchmarks`, `10e_serve`"),
+    "09f_bench_cli": ("`pagednb bench`: every benchmark by name, one report, and any engine knob passed to every "
+                      "pagednb run", "`05a_engine_args`, `09_benchmarks`, `09e_bench_serving`"),
     "09a_capacity": ("what vLLM's knobs do to a workload on a GPU you do not have: the real scheduler and block manager "
                      "stepped with a roofline cost model, calibrated and checked against this CPU",
                      "`05_scheduler`, `06_runner`, `08a_widgets`; a CPU is enough"),
