@@ -13,7 +13,7 @@ import torch
 import pagednb
 from .bench import (VLLM_ENV, _workload, bench_chunked, bench_host, bench_prefix, bench_spec, bench_throughput,
                            find_vllm_python, format_chunked, format_host, format_prefix, format_profile, format_spec,
-                           format_throughput, host_model, load_hf, machine_info, profile_pagednb)
+                           format_throughput, load_hf, machine_info, profile_pagednb)
 from .bench_serving import GUIDELLM_ENV, GUIDELLM_SWEEP, bench_guidellm, find_guidellm, format_guidellm
 from .engine_args import EngineArgs, add_cli_args, check_engine_runs, from_cli_args
 from .model import load_model

@@ -97,6 +97,8 @@ TIMES = {   # `python3 bootstrap.py test`: each lesson under nbdev-test, two at 
     '08_trace': 'runs in 13 s (peak 1.5 GiB) on a 2-core CPU',
     '08a_widgets': 'runs in 21 s (peak 1.4 GiB) on a 2-core CPU',
     '09_benchmarks': 'runs in 30 s (peak 1.9 GiB) on a 2-core CPU',
+    '09e_bench_serving': 'runs in 7 s (peak 0.3 GiB) on a 2-core CPU',
+    '09f_bench_cli': 'runs in 9 s (peak 0.5 GiB) on a 2-core CPU',
     '09a_capacity': 'runs in 76 s (peak 1.9 GiB) on a 2-core CPU',
     '09b_reading_vllm': 'runs in 11 s (peak 0.1 GiB) on a 2-core CPU',
     '09c_vllm_events': 'runs in 2 s (peak 0.1 GiB) on a 2-core CPU',
