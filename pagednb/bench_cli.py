@@ -34,10 +34,10 @@ BENCHMARKS = {
     "spec": lambda ctx: bench_spec(ctx["parts"], quick=ctx["quick"], **_knobs(ctx)),
     "host": lambda ctx: bench_host(steps=10 if ctx["quick"] else 40, **_knobs(ctx)),
     "guidellm": lambda ctx: bench_guidellm(ctx["guidellm"], ctx["vllm_python"], ctx["model"], ctx["threads"],
-                                           ctx["quick"]),
+                                           ctx["quick"], knobs=_knobs(ctx)),
     "guidellm-sweep": lambda ctx: bench_guidellm(ctx["guidellm"], ctx["vllm_python"], ctx["model"],
                                                  ctx["threads"], ctx["quick"], apis=("chat",),
-                                                 loads=GUIDELLM_SWEEP),
+                                                 loads=GUIDELLM_SWEEP, knobs=_knobs(ctx)),
 }
 DEFAULT_BENCHMARKS = ("throughput", "prefix", "chunked", "spec")
 FORMATTERS = dict(throughput=format_throughput, prefix=format_prefix, chunked=format_chunked,

@@ -6,8 +6,9 @@ Docs: https://pagednb.github.io/pagednb/bench_serving.html.md"""
 
 # %% auto #0
 __all__ = ['GUIDELLM_ENV', 'GUIDELLM_PROFILES', 'GUIDELLM_APIS', 'GUIDELLM_SEED', 'SERVED_NAME', 'GUIDELLM_SWEEP',
-           'find_guidellm', 'guidellm_profile', 'guidellm_command', 'load_seeds', 'parse_guidellm', 'server_command',
-           'ServerProcess', 'run_guidellm', 'load_name', 'bench_guidellm', 'format_guidellm', 'benchmark_server']
+           'find_guidellm', 'guidellm_profile', 'guidellm_command', 'load_seeds', 'parse_guidellm', 'knob_flags',
+           'server_command', 'ServerProcess', 'run_guidellm', 'load_name', 'bench_guidellm', 'format_guidellm',
+           'benchmark_server']
 
 # %% ../nbs/09e_bench_serving.ipynb #bs-imports
 import asyncio, itertools, json, os, subprocess, sys, tempfile, time
@@ -93,10 +94,22 @@ def parse_guidellm(report) -> dict:
                 guidellm=report.get("metadata", {}).get("guidellm_version"), first_error=_first_error(b),
                 sent_at_once=_sent_at_once(b))
 
+# %% ../nbs/09e_bench_serving.ipynb #322a8124
+def _flag(name, v) -> list:
+    "The command-line words of one engine knob's value `v` (`--no-` for a False switch)."
+    flag = "--" + name.replace("_", "-")
+    if isinstance(v, bool): return [flag] if v else ["--no-" + flag[2:]]
+    if isinstance(v, dict): return [flag, json.dumps(v)]
+    return [flag, *map(str, v)] if isinstance(v, (list, tuple)) else [flag, str(v)]
+
+def knob_flags(knobs) -> list:
+    "Engine knobs (`LLM` keywords) as the flags `pagednb serve` reads back to the same values."
+    return [w for k, v in (knobs or {}).items() for w in _flag(k, v)]
+
 # %% ../nbs/09e_bench_serving.ipynb #df5c3e1e
 SERVED_NAME = "SmolLM2-135M-Instruct"
 
-def server_command(engine, model_path, port, threads=2, kv_gib=1, max_model_len=2048, python=None):
+def server_command(engine, model_path, port, threads=2, kv_gib=1, max_model_len=2048, python=None, knobs=None):
     "Command and environment starting `engine` (`pagednb`, or `vllm` with its venv's `python`) on loopback."
     common = ["--port", str(port), "--max-model-len", str(max_model_len), "--served-model-name", SERVED_NAME,
               "--dtype", "float32", "--host", "127.0.0.1", "--uvicorn-log-level", "warning"]
@@ -104,7 +117,7 @@ def server_command(engine, model_path, port, threads=2, kv_gib=1, max_model_len=
     if engine == "pagednb":
         cmd = [python or sys.executable, "-m", "pagednb.cli", "serve", str(model_path),
                "--kv-cache-memory-bytes", f"{kv_gib}GiB"]
-        return cmd + common, env | dict(OMP_NUM_THREADS=str(threads))
+        return cmd + common + knob_flags(knobs), env | dict(OMP_NUM_THREADS=str(threads))
     if engine != "vllm": raise ValueError(f"engine={engine!r}: choose 'pagednb' or 'vllm'")
     env.pop("PYTHONPATH", None)
     cores = f"0-{threads - 1}" if threads > 1 else "0"
@@ -176,11 +189,11 @@ def load_name(load) -> str:
     return f"p{load['rate']}" if load.get("rate") else f"c{load['streams']}"
 
 # %% ../nbs/09e_bench_serving.ipynb #2915cac2
-def _serve_and_measure(engine, python, path, guidellm, apis, loads, profile, threads, kv_gib):
+def _serve_and_measure(engine, python, path, guidellm, apis, loads, profile, threads, kv_gib, knobs=None):
     "Start `engine`'s server and run GuideLLM on it for each API and load: its rows (or one `skipped`)."
     rows = []
     try:
-        with ServerProcess(engine, path, threads=threads, kv_gib=kv_gib, python=python) as s:
+        with ServerProcess(engine, path, threads=threads, kv_gib=kv_gib, python=python, knobs=knobs) as s:
             for api, load, seed in load_seeds(apis, loads):
                 r = run_guidellm(guidellm, s.url, api, path, **(profile | load), seed=seed)
                 rows.append(dict(engine=engine, api=api, load=load_name(load), server_start_s=s.start_s, **r,
@@ -190,7 +203,7 @@ def _serve_and_measure(engine, python, path, guidellm, apis, loads, profile, thr
 
 # %% ../nbs/09e_bench_serving.ipynb #ace009ab
 def bench_guidellm(guidellm=None, vllm_python=None, model=None, threads=2, quick=False, apis=("chat", "text"),
-                   kv_gib=1, loads=None, **profile):
+                   kv_gib=1, loads=None, knobs=None, **profile):
     "GuideLLM against `pagednb serve` and `vllm serve` (if `vllm_python`): each load of `loads`, on each API."
     profile = GUIDELLM_PROFILES["quick" if quick else "full"] | profile
     loads = loads or [dict(streams=profile["streams"])]
@@ -203,7 +216,8 @@ def bench_guidellm(guidellm=None, vllm_python=None, model=None, threads=2, quick
             rows.append(dict(engine=engine,
                              skipped=f"no vLLM venv: pass --vllm-python PATH or set ${VLLM_ENV}"))
             continue
-        rows += _serve_and_measure(engine, python, path, guidellm, apis, loads, profile, threads, kv_gib)
+        kw = dict(knobs=knobs) if engine == "pagednb" else {}              # vLLM keeps its own defaults
+        rows += _serve_and_measure(engine, python, path, guidellm, apis, loads, profile, threads, kv_gib, **kw)
     return dict(profile=profile, threads=threads, kv_gib=kv_gib, rows=rows)
 
 # %% ../nbs/09e_bench_serving.ipynb #58f2a3ec
