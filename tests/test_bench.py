@@ -67,6 +67,7 @@ def test_workload_and_vllm_lookup(monkeypatch):
 import os, stat, sys
 from pagednb.bench_serving import (GUIDELLM_ENV, find_guidellm, guidellm_command, parse_guidellm, bench_guidellm,
                                    format_guidellm, server_command)
+from pagednb.cli import make_parser as cli_parser
 
 def _dist(mean, p50, p95): return dict(successful=dict(mean=mean, median=p50, percentiles=dict(p50=p50, p95=p95)))
 
@@ -96,6 +97,9 @@ def test_guidellm_pieces(tmp_path, monkeypatch):
     assert (r["output_tok_s"], r["ttft_p50_ms"], r["itl_p95_ms"], r["errored"], r["first_error"]) == (50.0, 180.0, 70.0, 0, None)
     cmd, env = server_command("vllm", "MODEL", 8001, threads=2, kv_gib=1, python="py")
     assert cmd[:3] == ["py", "-m", "vllm.entrypoints.openai.api_server"] and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    cmd, _ = server_command("pagednb", "MODEL", 8001, knobs=dict(block_size=32, enable_prefix_caching=False))
+    served = cli_parser().parse_args(cmd[3:])                       # `pagednb serve` reads bench's engine knobs back
+    assert (served.block_size, served.enable_prefix_caching, served.max_model_len) == (32, False, 2048)
     monkeypatch.delenv(GUIDELLM_ENV, raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))
     assert find_guidellm() is None
