@@ -6,18 +6,14 @@ Docs: https://pagednb.github.io/pagednb/benchmarks.html.md"""
 
 # %% auto #0
 __all__ = ['VLLM_ENV', 'PREFIX_SIZES', 'CHUNKED_SIZES', 'GROUNDED_PROMPTS', 'OPEN_PROMPTS', 'NGRAM', 'SPEC_CONFIGS',
-           'GUIDELLM_ENV', 'GUIDELLM_PROFILES', 'GUIDELLM_APIS', 'GUIDELLM_SEED', 'SERVED_NAME', 'GUIDELLM_SWEEP',
-           'BENCHMARKS', 'DEFAULT_BENCHMARKS', 'FORMATTERS', 'machine_info', 'Workload', 'random_prompt',
-           'make_workload', 'greedy', 'kv_bytes_for', 'run_pagednb', 'resolve_model_path', 'load_hf', 'run_hf',
-           'find_vllm_python', 'run_vllm', 'bench_throughput', 'format_throughput', 'prefix_workloads', 'bench_prefix',
-           'format_prefix', 'stream_token_times', 'bench_chunked', 'format_chunked', 'bench_spec', 'format_spec',
-           'profile_pagednb', 'format_profile', 'host_model', 'bench_host', 'format_host', 'find_guidellm',
-           'guidellm_profile', 'guidellm_command', 'load_seeds', 'parse_guidellm', 'server_command', 'ServerProcess',
-           'run_guidellm', 'load_name', 'bench_guidellm', 'format_guidellm', 'format_report', 'run_benchmarks',
-           'make_parser', 'main', 'benchmark_server']
+           'machine_info', 'Workload', 'random_prompt', 'make_workload', 'greedy', 'kv_bytes_for', 'run_pagednb',
+           'resolve_model_path', 'load_hf', 'run_hf', 'find_vllm_python', 'run_vllm', 'bench_throughput',
+           'format_throughput', 'prefix_workloads', 'bench_prefix', 'format_prefix', 'stream_token_times',
+           'bench_chunked', 'format_chunked', 'bench_spec', 'format_spec', 'profile_pagednb', 'format_profile',
+           'host_model', 'bench_host', 'format_host']
 
 # %% ../nbs/09_benchmarks.ipynb #d6f3b17d
-import argparse, asyncio, itertools, json, os, platform, random, statistics, subprocess, sys, tempfile, time, textwrap
+import json, os, platform, random, statistics, subprocess, sys, tempfile, time, textwrap
 from dataclasses import dataclass, field, asdict
 import torch
 import torch.nn as nn
@@ -351,7 +347,8 @@ def _prefix_row(workload, caching, elapsed, m0, m, first, outs):
 # %% ../nbs/09_benchmarks.ipynb #ab2c6931
 def _prefix_run(parts, workload, caching, sequential, warm_first=True, **kw):
     "`workload` on a fresh engine (the first request alone), then the `sequential` prompts one at a time."
-    llm = LLM(parts, enable_prefix_caching=caching, **(_llm_kwargs(workload, parts) | kw))
+    kw = _llm_kwargs(workload, parts) | dict(enable_prefix_caching=caching) | kw          # given knobs win
+    llm = LLM(parts, **kw)
     llm.generate([workload.prompts[0][-8:]], greedy(2), use_tqdm=False)          # warm-up, shares nothing
     m0, sps = llm.get_metrics(), [greedy(n) for n in workload.output_lens]
     t0 = time.perf_counter()
@@ -538,10 +535,10 @@ SPEC_CONFIGS = {"off": None, "ngram": NGRAM,
                                           "num_speculative_tokens": 3}}
 
 # %% ../nbs/09_benchmarks.ipynb #05557091
-def _spec_run(parts, convs, max_tokens, config, batch):
+def _spec_run(parts, convs, max_tokens, config, batch, **llm_kwargs):
     "Chat `convs` on a fresh engine (at once, or one by one if `batch=False`): token ids, seconds, metrics."
-    llm = LLM(parts, speculative_config=config, kv_cache_memory_bytes=256 << 20, max_model_len=2048,
-              log=False)
+    kw = dict(speculative_config=config, kv_cache_memory_bytes=256 << 20, max_model_len=2048, log=False)
+    llm = LLM(parts, **(kw | llm_kwargs))
     sp = SamplingParams(temperature=0, max_tokens=max_tokens)
     hi = [[{"role": "user", "content": "Hi"}]]
     llm.chat(hi, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)                 # warm-up
@@ -572,7 +569,7 @@ def _spec_row(wname, cname, cfg, convs, ids, secs, m, base):
                 identical=ids == base[0])
 
 # %% ../nbs/09_benchmarks.ipynb #6e688084
-def bench_spec(parts, quick=False, configs=None, max_tokens=None, batch_size=16):
+def bench_spec(parts, quick=False, configs=None, max_tokens=None, batch_size=16, **llm_kwargs):
     "Speculative decoding vs none: input-grounded and open-ended prompts at batch 1, and a batch of both."
     configs = configs or SPEC_CONFIGS
     max_tokens = max_tokens or (24 if quick else 160)
@@ -580,7 +577,7 @@ def bench_spec(parts, quick=False, configs=None, max_tokens=None, batch_size=16)
     for wname, (convs, batch) in _spec_workloads(quick, batch_size).items():
         base = None
         for cname, cfg in configs.items():
-            ids, secs, m = _spec_run(parts, convs, max_tokens, cfg, batch)
+            ids, secs, m = _spec_run(parts, convs, max_tokens, cfg, batch, **llm_kwargs)
             base = base or (ids, sum(map(len, ids)) / secs)
             rows.append(_spec_row(wname, cname, cfg, convs, ids, secs, m, base))
     return dict(max_tokens=max_tokens, rows=rows)
@@ -720,11 +717,12 @@ def _timed_forward(model, forward):
     return timed
 
 # %% ../nbs/09_benchmarks.ipynb #2f6efb39
-def bench_host(parts=None, batches=(1, 16, 64), steps=40):
+def bench_host(parts=None, batches=(1, 16, 64), steps=40, **llm_kwargs):
     "Host time of decode steps on `host_model`: per step, in the forward, per layer, and in the rest."
     parts = parts or host_model()
     model, forward = parts[0], []
-    llm = LLM(parts, kv_cache_memory_bytes=64 << 20, max_model_len=512, log=False)
+    kw = dict(kv_cache_memory_bytes=64 << 20, max_model_len=512, log=False) | llm_kwargs
+    llm = LLM(parts, **kw)
     model.forward = _timed_forward(model, forward)
     try: best = {b: _decode_steps(llm, b, steps, forward) for b in batches}
     finally: del model.forward
@@ -742,424 +740,3 @@ def format_host(r):
     cols = [("batch", "batch"), ("step_ms", "step ms"), ("forward_ms", "forward ms"),
             ("per_layer_us", "µs per layer"), ("rest_ms", "rest of step ms")]
     return "\n".join([head, _table(r["rows"], cols)])
-
-# %% ../nbs/09_benchmarks.ipynb #af55f2e9
-GUIDELLM_ENV = "PAGEDNB_GUIDELLM"
-
-def find_guidellm(path=None):
-    "The `guidellm` executable: `path`, else `$PAGEDNB_GUIDELLM`, else `guidellm` on the PATH; else `None`."
-    import shutil
-    path = path or os.environ.get(GUIDELLM_ENV)
-    if not path: return shutil.which("guidellm")
-    path = os.path.expanduser(path)
-    if os.path.isdir(path): path = os.path.join(path, "bin", "guidellm")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"--guidellm / ${GUIDELLM_ENV}: {path} does not exist; "
-                                "give the guidellm of a venv with guidellm")
-    return path
-
-# %% ../nbs/09_benchmarks.ipynb #52c1dc44
-GUIDELLM_PROFILES = dict(
-    full=dict(prompt_tokens=256, output_tokens=64, streams=8, max_requests=48, max_seconds=300),
-    quick=dict(prompt_tokens=32, output_tokens=8, streams=2, max_requests=4, max_seconds=120))
-GUIDELLM_APIS = {"chat": "/v1/chat/completions", "text": "/v1/completions"}
-GUIDELLM_SEED = 42                                   # GuideLLM's own default
-
-def guidellm_profile(streams=8, rate=None) -> str:
-    "GuideLLM's `--profile`: `streams` concurrent requests, or Poisson arrivals at `rate` requests a second."
-    if rate is None: return f"kind=concurrent,streams={streams}"
-    if not rate > 0: raise ValueError(f"rate={rate!r} is invalid: requests per second must be > 0")
-    return f"kind=poisson,rate={rate}"
-
-# %% ../nbs/09_benchmarks.ipynb #d37eab3d
-def guidellm_command(guidellm, url, api, tokenizer, out_json, prompt_tokens=256, output_tokens=64, streams=8,
-                     max_requests=48, max_seconds=300, rate=None, seed=GUIDELLM_SEED):
-    "The `guidellm run` command of a synthetic profile against the server at `url`, on `api` (chat or text)."
-    return [guidellm, "run",
-            "--backend", f"kind=openai_http,target={url},request_format={GUIDELLM_APIS[api]}",
-            "--profile", guidellm_profile(streams, rate),
-            "--data", f"kind=synthetic_text,prompt_tokens={prompt_tokens},output_tokens={output_tokens}",
-            "--seed", f"kind=static,value={seed}",                   # the prompts' text and the arrivals
-            "--constraint", f"kind=max_requests,count={max_requests}",
-            "--constraint", f"kind=max_duration,seconds={max_seconds}",
-            "--tokenizer", f"kind=huggingface_auto,model={tokenizer}",
-            "--output", f"kind=json,path={out_json}", "--disable-console-interactive"]
-
-# %% ../nbs/09_benchmarks.ipynb #guidellm-seed-fn
-def load_seeds(apis, loads, seed=GUIDELLM_SEED):
-    "Each `(api, load)` of a run with the seed of its prompts: one per pair, the same for every server."
-    return [(api, load, seed + i) for i, (api, load) in enumerate(itertools.product(apis, loads))]
-
-# %% ../nbs/09_benchmarks.ipynb #36427db5
-def _dist(m, key, stat):
-    "Statistic `stat` (`mean`, `p50`, ...) of the successful requests' distribution `key`."
-    s = m[key]["successful"]
-    return s["percentiles"][stat] if stat.startswith("p") else s[stat]
-
-def _first_error(b):
-    "The first error a GuideLLM benchmark `b` recorded, cut to 300 characters (None if none)."
-    errs = [r.get("info", {}).get("error") for r in b.get("requests", {}).get("errored", [])]
-    return next((str(e)[:300] for e in errs if e), None)
-
-# %% ../nbs/09_benchmarks.ipynb #350c00b9
-def _sent_at_once(b) -> bool:
-    "Whether GuideLLM's schedule put every request's target before the run began: offsets from 0, not Unix times."
-    infos = [r.get("info", {}) for r in b.get("requests", {}).get("successful", [])]
-    pairs = [(i["timings"].get("targeted_start"), i.get("scheduler_start_time")) for i in infos if "timings" in i]
-    late = [t < start - 1e6 for t, start in pairs if t is not None and start]   # 1e6 s: 11 days before the start
-    return bool(late) and all(late)
-
-def parse_guidellm(report) -> dict:
-    "The figures of a GuideLLM JSON report (a dict or a path): output tok/s, TTFT, ITL, latency, counts."
-    if not isinstance(report, dict): report = json.load(open(report))
-    b = report["benchmarks"][0]
-    m, n = b["metrics"], b["metrics"]["request_totals"]
-    d = lambda key, stat: round(_dist(m, key, stat), 2)
-    return dict(output_tok_s=d("output_tokens_per_second", "mean"),
-                ttft_p50_ms=d("time_to_first_token_ms", "p50"),
-                itl_p50_ms=d("inter_token_latency_ms", "p50"), itl_p95_ms=d("inter_token_latency_ms", "p95"),
-                latency_p50_s=d("request_latency", "p50"), requests=n["successful"], errored=n["errored"],
-                incomplete=n["incomplete"], duration_s=round(b["duration"], 2),
-                guidellm=report.get("metadata", {}).get("guidellm_version"), first_error=_first_error(b),
-                sent_at_once=_sent_at_once(b))
-
-# %% ../nbs/09_benchmarks.ipynb #df5c3e1e
-SERVED_NAME = "SmolLM2-135M-Instruct"
-
-def server_command(engine, model_path, port, threads=2, kv_gib=1, max_model_len=2048, python=None):
-    "Command and environment starting `engine` (`pagednb`, or `vllm` with its venv's `python`) on loopback."
-    common = ["--port", str(port), "--max-model-len", str(max_model_len), "--served-model-name", SERVED_NAME,
-              "--dtype", "float32", "--host", "127.0.0.1", "--uvicorn-log-level", "warning"]
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-    if engine == "pagednb":
-        cmd = [python or sys.executable, "-m", "pagednb.cli", "serve", str(model_path),
-               "--kv-cache-memory-bytes", f"{kv_gib}GiB"]
-        return cmd + common, env | dict(OMP_NUM_THREADS=str(threads))
-    if engine != "vllm": raise ValueError(f"engine={engine!r}: choose 'pagednb' or 'vllm'")
-    env.pop("PYTHONPATH", None)
-    cores = f"0-{threads - 1}" if threads > 1 else "0"
-    cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path)]
-    return cmd + common, env | dict(VLLM_CPU_KVCACHE_SPACE=str(kv_gib), VLLM_CPU_OMP_THREADS_BIND=cores,
-                                    VLLM_CPU_NUM_OF_RESERVED_CPU="0")
-
-# %% ../nbs/09_benchmarks.ipynb #3bfc74f6
-def _free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-class ServerProcess:
-    "A server subprocess (`server_command`) logging to a file; `with` waits for /health, then stops it."
-    def __init__(self, engine, model_path, timeout=900, **kw):
-        self.engine, self.port, self.timeout = engine, _free_port(), timeout
-        self.cmd, self.env = server_command(engine, model_path, self.port, **kw)
-        self.url, self.log = f"http://127.0.0.1:{self.port}", tempfile.NamedTemporaryFile("w+", suffix=".log")
-    def __enter__(self):
-        import urllib.request
-        t0 = time.perf_counter()
-        self.p = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env)
-        while True:
-            if self.p.poll() is not None or time.perf_counter() - t0 > self.timeout:
-                self.stop()
-                said = self.tail()
-                raise RuntimeError(f"{self.engine} server did not start (exit {self.p.returncode}):\n{said}")
-            try:
-                if urllib.request.urlopen(self.url + "/health", timeout=2).status == 200: break
-            except OSError: time.sleep(1)
-        self.start_s = round(time.perf_counter() - t0, 1)
-        return self
-    def tail(self, n=15):
-        self.log.flush()
-        self.log.seek(0)
-        return "\n".join(self.log.read().strip().splitlines()[-n:])
-    def stop(self):
-        if self.p.poll() is not None: return
-        self.p.terminate()
-        try: self.p.wait(30)
-        except subprocess.TimeoutExpired:
-            self.p.kill()
-            self.p.wait(10)
-    def __exit__(self, *exc):
-        self.stop()
-        self.log.close()
-
-# %% ../nbs/09_benchmarks.ipynb #00d75267
-def run_guidellm(guidellm, url, api, tokenizer, timeout=1200, **profile):
-    "Run GuideLLM's profile against `url` on `api`: `parse_guidellm`'s figures, or a `skipped` record."
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    with tempfile.TemporaryDirectory() as d:
-        out = os.path.join(d, "report.json")
-        cmd = guidellm_command(guidellm, url, api, tokenizer, out, **profile)
-        try: p = subprocess.run(cmd, env=env, cwd=d, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired: return dict(skipped=f"guidellm did not finish within {timeout} s")
-        if p.returncode or not os.path.exists(out):
-            tail = "\n".join((p.stderr or p.stdout).strip().splitlines()[-10:])
-            return dict(skipped=f"guidellm failed (exit {p.returncode}):\n{tail}")
-        return parse_guidellm(out)
-
-# %% ../nbs/09_benchmarks.ipynb #84473a44
-GUIDELLM_SWEEP = [dict(streams=s) for s in (1, 4, 8, 16)] + [dict(rate=r) for r in (0.5, 1.0, 2.0)]
-
-def load_name(load) -> str:
-    "`c8` for 8 concurrent streams, `p0.5` for Poisson arrivals at 0.5 requests a second."
-    return f"p{load['rate']}" if load.get("rate") else f"c{load['streams']}"
-
-# %% ../nbs/09_benchmarks.ipynb #2915cac2
-def _serve_and_measure(engine, python, path, guidellm, apis, loads, profile, threads, kv_gib):
-    "Start `engine`'s server and run GuideLLM on it for each API and load: its rows (or one `skipped`)."
-    rows = []
-    try:
-        with ServerProcess(engine, path, threads=threads, kv_gib=kv_gib, python=python) as s:
-            for api, load, seed in load_seeds(apis, loads):
-                r = run_guidellm(guidellm, s.url, api, path, **(profile | load), seed=seed)
-                rows.append(dict(engine=engine, api=api, load=load_name(load), server_start_s=s.start_s, **r,
-                                 load_avg_1m=_load()))
-    except RuntimeError as e: rows.append(dict(engine=engine, skipped=str(e)))
-    return rows
-
-# %% ../nbs/09_benchmarks.ipynb #ace009ab
-def bench_guidellm(guidellm=None, vllm_python=None, model=None, threads=2, quick=False, apis=("chat", "text"),
-                   kv_gib=1, loads=None, **profile):
-    "GuideLLM against `pagednb serve` and `vllm serve` (if `vllm_python`): each load of `loads`, on each API."
-    profile = GUIDELLM_PROFILES["quick" if quick else "full"] | profile
-    loads = loads or [dict(streams=profile["streams"])]
-    if guidellm is None:
-        why = f"no guidellm: pass --guidellm PATH or set ${GUIDELLM_ENV}"
-        return dict(profile=profile, rows=[dict(engine="guidellm", skipped=why)])
-    path, rows = resolve_model_path(model), []
-    for engine, python in [("pagednb", None), ("vllm", vllm_python)]:
-        if engine == "vllm" and python is None:
-            rows.append(dict(engine=engine,
-                             skipped=f"no vLLM venv: pass --vllm-python PATH or set ${VLLM_ENV}"))
-            continue
-        rows += _serve_and_measure(engine, python, path, guidellm, apis, loads, profile, threads, kv_gib)
-    return dict(profile=profile, threads=threads, kv_gib=kv_gib, rows=rows)
-
-# %% ../nbs/09_benchmarks.ipynb #58f2a3ec
-def _server_name(r): return "pagednb serve" if r["engine"] == "pagednb" else "vllm serve (vLLM CPU)"
-
-def _load_key(name):
-    "Order loads as they ramp: c1, c4, c8, c16, then p0.5, p1.0, p2.0."
-    return (name[:1], float(name[1:])) if name[1:].replace(".", "", 1).isdigit() else (name, 0.0)
-
-def format_guidellm(g):
-    "The serving table: one row per server and API, then what was skipped and the first error of each run."
-    ok = [dict(r, peer=_server_name(r), sent="yes" if r.get("sent_at_once") else "")
-          for r in g["rows"] if "skipped" not in r]
-    p = g["profile"]
-    head = (f"## Serving, GuideLLM {next((r['guidellm'] for r in ok), '')}: load c = concurrent streams, "
-            f"p = Poisson requests/s; {p['prompt_tokens']}-token prompts, "
-            f"{p['output_tokens']} output tokens, "
-            f"up to {p['max_requests']} requests")
-    ok = sorted(ok, key=lambda r: (r.get("api", ""), _load_key(r.get("load", "")), r["engine"]))
-    cols = [("load", "load"), ("peer", "server"), ("api", "API"), ("output_tok_s", "out tok/s"),
-            ("ttft_p50_ms", "TTFT p50 (ms)"), ("itl_p50_ms", "ITL p50 (ms)"), ("itl_p95_ms", "ITL p95 (ms)"),
-            ("latency_p50_s", "latency p50 (s)"), ("requests", "requests"), ("errored", "errored"),
-            ("incomplete", "incomplete"), ("sent", "all sent at once"),
-            ("load_avg_1m", "load avg after")]
-    skipped = [f"({r['engine']} {r.get('api', '')} skipped: {r['skipped']})"
-               for r in g["rows"] if "skipped" in r]
-    errors = [f"({r['engine']} {r['api']}: {r['errored']} errored, first: {r['first_error']})"
-              for r in ok if r.get("first_error")]
-    return "\n".join([head, _table(ok, cols)] + skipped + errors)
-
-# %% ../nbs/09_benchmarks.ipynb #90c2671f
-BENCHMARKS = {
-    "throughput": lambda ctx: bench_throughput(ctx["parts"], ctx["hf"], vllm_python=ctx["vllm_python"],
-                                               threads=ctx["threads"], hf_batch_size=ctx["hf_batch_size"],
-                                               quick=ctx["quick"], workload=ctx.get("workload")),
-    "prefix": lambda ctx: bench_prefix(ctx["parts"], ctx["system_len"], quick=ctx["quick"],
-                                       repeats=ctx["repeats"]),
-    "chunked": lambda ctx: bench_chunked(ctx["parts"], quick=ctx["quick"], long_len=ctx["long_len"],
-                                         chunk_budget=ctx["chunk_budget"]),
-    "profile": lambda ctx: profile_pagednb(ctx["parts"], ctx.get("workload") or _workload(ctx["quick"])),
-    "spec": lambda ctx: bench_spec(ctx["parts"], quick=ctx["quick"]),
-    "host": lambda ctx: bench_host(steps=10 if ctx["quick"] else 40),
-    "guidellm": lambda ctx: bench_guidellm(ctx["guidellm"], ctx["vllm_python"], ctx["model"], ctx["threads"],
-                                           ctx["quick"]),
-    "guidellm-sweep": lambda ctx: bench_guidellm(ctx["guidellm"], ctx["vllm_python"], ctx["model"],
-                                                 ctx["threads"], ctx["quick"], apis=("chat",),
-                                                 loads=GUIDELLM_SWEEP),
-}
-DEFAULT_BENCHMARKS = ("throughput", "prefix", "chunked", "spec")
-FORMATTERS = dict(throughput=format_throughput, prefix=format_prefix, chunked=format_chunked,
-                  profile=format_profile, spec=format_spec, guidellm=format_guidellm, host=format_host)
-FORMATTERS["guidellm-sweep"] = format_guidellm
-
-# %% ../nbs/09_benchmarks.ipynb #f9be46e5
-def format_report(report) -> str:
-    "The human-readable report: the machine and versions, then each benchmark's table."
-    m = report["machine"]
-    head = (f"pagednb {report['pagednb']} · model {report['model']} ({report['dtype']}) · {m['cpu']}, "
-            f"{m['cores']} cores, torch {m['torch']} with {m['torch_threads']} threads · "
-            f"load average at start {m['load_avg_1m']}")
-    fmt = lambda k: FORMATTERS.get(k, lambda r: f"## {k}\n{json.dumps(r, indent=1)}")
-    return "\n\n".join([head] + [fmt(k)(r) for k, r in report["results"].items()])
-
-# %% ../nbs/09_benchmarks.ipynb #2a2802d5
-def _log(*a): print(*a, file=sys.stderr, flush=True)
-
-def _check_only(only, threads):
-    "Raise unless every name of `only` is a benchmark and `threads` (if given) is >= 1; then set the threads."
-    unknown = [b for b in only if b not in BENCHMARKS]
-    if unknown: raise ValueError(f"unknown benchmark(s) {unknown}; choose from {sorted(BENCHMARKS)}")
-    if threads is not None:
-        if threads < 1: raise ValueError(f"threads must be >= 1, got {threads}")
-        torch.set_num_threads(threads)
-
-# %% ../nbs/09_benchmarks.ipynb #dea57fa7
-def run_benchmarks(only=DEFAULT_BENCHMARKS, quick=False, threads=None, vllm_python=None, hf=True,
-                   hf_batch_size=16, repeats=None, chunk_budget=None, model=None, num_requests=None,
-                   system_len=None, long_len=None, parts=None, guidellm=None):
-    "Run the named benchmarks in one process and return a report: the machine, the versions, and each result."
-    _check_only(only, threads)
-    threads = torch.get_num_threads()
-    if parts is None and set(only) - {"guidellm", "guidellm-sweep", "host"}:
-        parts = __import__("pagednb.model", fromlist=["load_model"]).load_model(model)
-    hf_model = load_hf(model) if hf and "throughput" in only else None
-    ctx = dict(parts=parts, hf=hf_model, vllm_python=vllm_python, threads=threads,
-               hf_batch_size=hf_batch_size, quick=quick, repeats=repeats, chunk_budget=chunk_budget,
-               system_len=system_len, long_len=long_len, guidellm=guidellm, model=model)
-    if num_requests: ctx["workload"] = _workload(quick, num_requests)
-    dtype = str(parts[0].lm_head.weight.dtype).replace("torch.", "") if parts else "float32"
-    report = dict(pagednb=getattr(pagednb, "__version__", "?"),
-                  model=str(model or "SmolLM2-135M-Instruct (embedded)"),
-                  dtype=dtype, machine=machine_info(), results={})
-    for name in only:
-        _log(f"pagednb bench: running {name}{' (quick)' if quick else ''} ...")
-        t0 = time.perf_counter()
-        report["results"][name] = BENCHMARKS[name](ctx)
-        _log(f"pagednb bench: {name} took {time.perf_counter() - t0:.1f} s")
-    return report
-
-# %% ../nbs/09_benchmarks.ipynb #ac0c1626
-def make_parser(prog="pagednb bench"):
-    "The argument parser of `pagednb bench`."
-    p = argparse.ArgumentParser(prog=prog, description=(
-        "Benchmark pagednb side by side with Hugging Face generate and vLLM CPU: offline throughput, "
-        "prefix caching, chunked prefill, speculative decoding, a profile of an engine step, "
-        "and serving under GuideLLM against vllm serve."))
-    p.add_argument("--only", default=",".join(DEFAULT_BENCHMARKS),
-                   help=f"comma-separated benchmarks to run, from {', '.join(BENCHMARKS)} "
-                        f"(default: {','.join(DEFAULT_BENCHMARKS)})")
-    p.add_argument("--quick", action="store_true",
-                   help="small workloads (seconds, not minutes): for CI and a first look")
-    p.add_argument("--json", action="store_true", help="print the report as JSON on stdout instead of tables")
-    p.add_argument("--save", metavar="PATH", default=None, help="also write the JSON report to PATH")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch threads for pagednb and HF, and cores bound for vLLM (default: torch's)")
-    p.add_argument("--vllm-python", default=None,
-                   help=f"python of a venv with vllm-cpu installed "
-                        f"(default: ${VLLM_ENV}; skipped if neither)")
-    p.add_argument("--guidellm", default=None,
-                   help=f"the guidellm executable or its venv, for --only guidellm "
-                        f"(default: ${GUIDELLM_ENV}, else guidellm on the PATH)")
-    p.add_argument("--no-hf", action="store_true",
-                   help="skip Hugging Face generate in the throughput benchmark")
-    p.add_argument("--hf-batch-size", type=int, default=16,
-                   help="static batch size for Hugging Face generate (default 16)")
-    _add_sizes(p)
-    p.add_argument("--model", default=None,
-                   help="a local Hugging Face folder (default: the embedded SmolLM2-135M-Instruct)")
-    return p
-
-# %% ../nbs/09_benchmarks.ipynb #1e3ae175
-def _add_sizes(p):
-    "The options of `pagednb bench` that size its workloads."
-    p.add_argument("--num-requests", type=int, default=None,
-                   help="requests in the throughput workload (default 64, 8 with --quick)")
-    p.add_argument("--repeats", type=int, default=None,
-                   help="interleaved runs of the 0%%-hit prefix-caching comparison "
-                        "(default 3, 1 with --quick)")
-    p.add_argument("--chunk-budget", type=int, default=None,
-                   help="max_num_batched_tokens of the chunked run (default 256, 64 with --quick)")
-    p.add_argument("--system-len", type=int, default=None,
-                   help="tokens of the shared system prompt in the prefix-caching benchmark "
-                        "(default 512, 256 with --quick)")
-    p.add_argument("--long-len", type=int, default=None,
-                   help="tokens of the long prompt in the chunked-prefill benchmark "
-                        "(default 2000, 400 with --quick)")
-
-# %% ../nbs/09_benchmarks.ipynb #bd304fd1
-def _parse(p, argv):
-    "Parse and check `pagednb bench`'s arguments: `(args, benchmarks, vLLM python, guidellm)`; errors exit."
-    a = p.parse_args(argv)
-    only = tuple(b.strip() for b in a.only.split(",") if b.strip())
-    bad = [b for b in only if b not in BENCHMARKS]
-    if bad or not only:
-        p.error(f"--only: unknown benchmark(s) {bad or a.only!r}; choose from {', '.join(BENCHMARKS)}")
-    for k in ("threads", "hf_batch_size", "num_requests", "repeats", "chunk_budget", "system_len",
-              "long_len"):
-        v = getattr(a, k)
-        if v is not None and v < 1: p.error(f"--{k.replace('_', '-')} must be >= 1, got {v}")
-    try: vllm = find_vllm_python(a.vllm_python)
-    except FileNotFoundError as e: p.error(str(e))
-    wants_guidellm = a.guidellm or any(b.startswith("guidellm") for b in only)
-    try: guidellm = find_guidellm(a.guidellm) if wants_guidellm else None
-    except FileNotFoundError as e: p.error(str(e))
-    return a, only, vllm, guidellm
-
-# %% ../nbs/09_benchmarks.ipynb #8f3cc664
-def main(argv=None):
-    "Entry point of `pagednb bench`: run the benchmarks, print tables or JSON (`--json`); returns the report."
-    a, only, vllm, guidellm = _parse(make_parser(), argv)
-    if vllm is None and "throughput" in only:
-        _log(f"pagednb bench: vLLM not configured (--vllm-python or ${VLLM_ENV}); it is skipped")
-    report = run_benchmarks(only, a.quick, a.threads, vllm, not a.no_hf, a.hf_batch_size, a.repeats,
-                            a.chunk_budget, a.model, a.num_requests, a.system_len, a.long_len,
-                            guidellm=guidellm)
-    if a.save:
-        with open(a.save, "w") as f: json.dump(report, f, indent=1)
-    print(json.dumps(report, indent=1) if a.json else format_report(report), flush=True)
-    return report
-
-# %% ../nbs/09_benchmarks.ipynb #cc9aaf30
-def _pct(xs, q):
-    xs = sorted(xs)
-    return float("nan") if not xs else xs[min(len(xs) - 1, max(0, round(q/100*(len(xs) - 1))))]
-
-async def _bench_level(base_url, api_key, model, concurrency, num_requests, max_tokens, prompt):
-    import openai
-    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600)
-    sem, ttft, itl, ntok = asyncio.Semaphore(concurrency), [], [], []
-    async def one(i):
-        async with sem:
-            t0, last, n = time.perf_counter(), None, 0
-            s = await client.completions.create(model=model, prompt=f"{prompt} (request {i})",
-                                                max_tokens=max_tokens,
-                                                temperature=0, stream=True,
-                                                stream_options={"include_usage": True},
-                                                extra_body={"ignore_eos": True})
-            async for c in s:
-                now = time.perf_counter()
-                if c.choices and c.choices[0].text:
-                    if last is None: ttft.append(now - t0)
-                    else: itl.append(now - last)
-                    last = now
-                if c.usage: n = c.usage.completion_tokens
-            ntok.append(n)
-    t0 = time.perf_counter()
-    await asyncio.gather(*[one(i) for i in range(num_requests)])
-    dt = time.perf_counter() - t0
-    await client.close()
-    return dict(concurrency=concurrency, requests=num_requests, seconds=round(dt, 2),
-                req_per_s=num_requests/dt,
-                output_tok_per_s=sum(ntok)/dt, ttft_p50_ms=1e3*_pct(ttft, 50), ttft_p99_ms=1e3*_pct(ttft, 99),
-                itl_p50_ms=1e3*_pct(itl, 50), itl_p99_ms=1e3*_pct(itl, 99))
-
-# %% ../nbs/09_benchmarks.ipynb #cc9aaf30-1
-def benchmark_server(base_url, concurrency=(1, 8, 32, 128), num_requests=None, max_tokens=16, api_key="EMPTY",
-                     model=None, prompt="Write a short story about a lighthouse keeper"):
-    "Load-test an OpenAI-compatible server at each concurrency; returns throughput and latency per level."
-    import concurrent.futures, httpx
-    base_url = base_url.rstrip("/") + ("" if base_url.rstrip("/").endswith("/v1") else "/v1")
-    auth = {"Authorization": f"Bearer {api_key}"}
-    model = model or httpx.get(base_url + "/models", headers=auth).json()["data"][0]["id"]
-    rows = []
-    for c in concurrency:
-        n = num_requests(c) if callable(num_requests) else num_requests or max(4, c)
-        coro = _bench_level(base_url, api_key, model, c, n, max_tokens, prompt)
-        with concurrent.futures.ThreadPoolExecutor(1) as ex:
-            rows.append(ex.submit(asyncio.run, coro).result())
-    return rows

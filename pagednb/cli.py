@@ -14,7 +14,7 @@ from .sampling import SamplingParams
 from .engine import LLM, EngineDeadError
 from .engine_args import parse_size, positive_int, add_cli_args, from_cli_args
 from .serve import serve
-from . import bench, vllm_read
+from . import bench_cli, vllm_read
 
 # %% ../nbs/11_cli.ipynb #2908cc62
 DEMO_PROMPTS = [
@@ -178,10 +178,10 @@ def make_parser():
     _serve_parser(sub)
     _generate_parser(sub)
     b = sub.add_parser("bench", add_help=False,
-                       help="the engine benchmarks (see pagednb.bench); --json for machine-readable output",
-                       description="Run pagednb's benchmarks; every argument is passed to pagednb.bench.")
+                       help="the engine benchmarks (see pagednb.bench_cli); --json for machine-readable output",
+                       description="Run pagednb's benchmarks; every argument is passed to pagednb.bench_cli.")
     b.add_argument("args", nargs=argparse.REMAINDER,
-                   help="arguments of pagednb.bench (try: pagednb bench --help)")
+                   help="arguments of pagednb.bench_cli (try: pagednb bench --help)")
     x = sub.add_parser("explain", add_help=False, help="read a vLLM start-up log and explain its memory numbers",
                        description="Explain a vLLM start-up log; every argument is passed to pagednb.vllm_read.")
     x.add_argument("args", nargs=argparse.REMAINDER, help="a log file, or - for standard input; --json")
@@ -206,8 +206,8 @@ def _generate(a):
              a.ignore_eos, **engine_kwargs(a, skip=("seed",)))
 
 def _run_bench(args):
-    "`pagednb bench ARGS`: every argument to `pagednb.bench.main` (its own parser, `--help` and `--json`)."
-    bench.main(list(args))                  # the report is printed; the console script's exit status stays 0
+    "`pagednb bench ARGS`: every argument to `pagednb.bench_cli.main` (its own parser, `--help` and `--json`)."
+    bench_cli.main(list(args))                  # the report is printed; the console script's exit status stays 0
 
 # %% ../nbs/11_cli.ipynb #8c5c955a
 def main(argv=None):

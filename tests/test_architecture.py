@@ -139,6 +139,20 @@ def test_vllm_readers_are_data_code():
           "runner, model, simulator, widgets or server")
     check([v for m in readers for v in torch_importers(m)], "the vLLM readers import no torch")
 
+
+def test_offline_benchmarks_know_no_server():
+    check(importers_of(["bench"], [*SERVER, "bench_serving", "bench_cli"]),
+          "bench (the offline benchmarks) runs the engine in-process: it imports no server room, bench_serving "
+          "or bench_cli")
+
+def test_serving_benchmarks_sit_on_the_offline_ones():
+    check(importers_of(["bench_serving"], ["bench_cli", *SERVER]),
+          "bench_serving starts servers as subprocesses: it imports no bench_cli and no server room (bench below it)")
+
+def test_only_the_cli_imports_the_bench_command_line():
+    check(importers_of([m for m in MODULES if m != "cli"], ["bench_cli"]),
+          "bench_cli (the command line over bench and bench_serving) is imported by cli alone")
+
 def test_no_pagednb_import_inside_a_function():
     found = [(m, line, text) for m in MODULES for line, t, text, inside in ALL[m]
              if inside and t.startswith("pagednb.")]
@@ -191,7 +205,8 @@ FLOORS = {   # floor -> the modules on it, as ARCHITECTURE.md draws them
     4: ["cpu_ops", "compare_views", "attention_views"],
     5: ["runner"], 6: ["spec_decode"], 7: ["engine"],
     8: ["core", "live_engine", "bench", "sim", "puzzles"],
-    9: ["core_client", "widgets", "sim_views"], 10: ["serving"], 11: ["serve"], 12: ["cli"],
+    9: ["core_client", "widgets", "sim_views", "bench_serving"], 10: ["serving", "bench_cli"], 11: ["serve"],
+    12: ["cli"],
 }
 FLOOR = {m: f for f, ms in FLOORS.items() for m in ms}
 

@@ -1,6 +1,8 @@
-"Smoke test of `pagednb bench` (`pagednb.bench.main`) on tiny workloads: it runs, its JSON holds what the tables need."
+"Smoke test of `pagednb bench` (`pagednb.bench_cli.main`) on tiny workloads: it runs, its JSON holds what the tables need."
 import json, pytest
-from pagednb.bench import main, format_report, make_workload, find_vllm_python, VLLM_ENV
+from unittest import mock
+from pagednb.bench import make_workload, find_vllm_python, host_model, VLLM_ENV
+from pagednb.bench_cli import main, format_report
 
 TINY = ["--quick", "--json", "--threads", "1", "--no-hf", "--num-requests", "2", "--system-len", "32", "--long-len", "48",
         "--chunk-budget", "16"]
@@ -34,6 +36,26 @@ def test_bad_arguments(argv, words, capsys):
     with pytest.raises(SystemExit): main(argv)
     assert words in capsys.readouterr().err
 
+class _Stop(Exception): "Stops a benchmark at its engine's construction."
+
+def test_engine_flags_reach_the_engine(monkeypatch):
+    "`pagednb bench --quick --only throughput --block-size 32`: the engine gets block_size=32 (stand-in model and LLM)."
+    monkeypatch.delenv(VLLM_ENV, raising=False)
+    with mock.patch("pagednb.bench_cli.load_model", return_value=host_model(2)), mock.patch("pagednb.bench_cli.load_hf"), \
+         mock.patch("pagednb.bench.LLM", side_effect=_Stop) as llm:
+        with pytest.raises(_Stop): main(["--quick", "--only", "throughput", "--block-size", "32"])
+    assert llm.call_args.kwargs["block_size"] == 32 and llm.call_args.kwargs["max_model_len"] == 2048
+
+@pytest.mark.parametrize("argv, words", [(["--block-size", "24"], "block_size must be a power of two"),
+                                         (["--block-size", "x"], "--block-size"),
+                                         (["--gpu-memory-utilization", "2"], "gpu_memory_utilization=2.0 is invalid"),
+                                         (["--tensor-parallel-size", "2"], "tensor_parallel_size=2")])
+def test_bad_engine_flags(argv, words, capsys):
+    "An invalid engine knob stops `pagednb bench` before any model is loaded, with `EngineArgs`' own error."
+    with mock.patch("pagednb.bench_cli.load_model") as load, pytest.raises(SystemExit):
+        main(["--quick", "--only", "throughput"] + argv)
+    assert words in capsys.readouterr().err and not load.called
+
 def test_workload_and_vllm_lookup(monkeypatch):
     w = make_workload(3, (4, 8), (2, 3), seed=5)
     assert w.prompts == make_workload(3, (4, 8), (2, 3), seed=5).prompts and len(w.output_lens) == 3
@@ -43,8 +65,9 @@ def test_workload_and_vllm_lookup(monkeypatch):
 
 # ---- the GuideLLM serving benchmark: its plumbing, with a stand-in for guidellm (CI has no GuideLLM install) ----------
 import os, stat, sys
-from pagednb.bench import (GUIDELLM_ENV, find_guidellm, guidellm_command, parse_guidellm, bench_guidellm, format_guidellm,
-                           server_command)
+from pagednb.bench_serving import (GUIDELLM_ENV, find_guidellm, guidellm_command, parse_guidellm, bench_guidellm,
+                                   format_guidellm, server_command)
+from pagednb.cli import make_parser as cli_parser
 
 def _dist(mean, p50, p95): return dict(successful=dict(mean=mean, median=p50, percentiles=dict(p50=p50, p95=p95)))
 
@@ -74,6 +97,9 @@ def test_guidellm_pieces(tmp_path, monkeypatch):
     assert (r["output_tok_s"], r["ttft_p50_ms"], r["itl_p95_ms"], r["errored"], r["first_error"]) == (50.0, 180.0, 70.0, 0, None)
     cmd, env = server_command("vllm", "MODEL", 8001, threads=2, kv_gib=1, python="py")
     assert cmd[:3] == ["py", "-m", "vllm.entrypoints.openai.api_server"] and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    cmd, _ = server_command("pagednb", "MODEL", 8001, knobs=dict(block_size=32, enable_prefix_caching=False))
+    served = cli_parser().parse_args(cmd[3:])                       # `pagednb serve` reads bench's engine knobs back
+    assert (served.block_size, served.enable_prefix_caching, served.max_model_len) == (32, False, 2048)
     monkeypatch.delenv(GUIDELLM_ENV, raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))
     assert find_guidellm() is None

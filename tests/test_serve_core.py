@@ -5,7 +5,7 @@ A tiny random-weight Llama with SmolLM2's tokenizer keeps the steps cheap; the s
 processes (the default mode: an API server process and an engine core process)."""
 import asyncio, json, os, signal, socket, subprocess, sys, tempfile, time
 import httpx, psutil, pytest
-from pagednb.bench import _free_port
+from pagednb.bench_serving import _free_port
 
 GOOD = dict(prompt="The capital of France is", max_tokens=4, temperature=0, ignore_eos=True)
 

@@ -56,8 +56,12 @@ OPENINGS = {
                         "knobs, as functions of an engine and its trace", "`08_trace`"),
     "08d_attention_views": ("which pages one token reads, and how much of its attention lands on each, from the live "
                             "engine's paged cache", "`04_paged_attention`, `08b_figures`"),
-    "09_benchmarks": ("throughput, memory and latency beside Hugging Face, vLLM and GuideLLM, measured side by side",
+    "09_benchmarks": ("throughput, memory and latency beside Hugging Face and vLLM, measured side by side in one process",
                       "`06b_engine`; optional peers in their own environments"),
+    "09e_bench_serving": ("serving measured from the client's side: GuideLLM against `pagednb serve` and `vllm serve`, "
+                          "TTFT, inter-token latency and tokens a second under a load", "`09_benchmarks`, `10e_serve`"),
+    "09f_bench_cli": ("`pagednb bench`: every benchmark by name, one report, and any engine knob passed to every "
+                      "pagednb run", "`05a_engine_args`, `09_benchmarks`, `09e_bench_serving`"),
     "09a_capacity": ("what vLLM's knobs do to a workload on a GPU you do not have: the real scheduler and block manager "
                      "stepped with a roofline cost model, calibrated and checked against this CPU",
                      "`05_scheduler`, `06_runner`, `08a_widgets`; a CPU is enough"),
@@ -98,6 +102,8 @@ TIMES = {   # `python3 bootstrap.py test`: each lesson under nbdev-test, two at 
     '08_trace': 'runs in 13 s (peak 1.5 GiB) on a 2-core CPU',
     '08a_widgets': 'runs in 21 s (peak 1.4 GiB) on a 2-core CPU',
     '09_benchmarks': 'runs in 30 s (peak 1.9 GiB) on a 2-core CPU',
+    '09e_bench_serving': 'runs in 7 s (peak 0.3 GiB) on a 2-core CPU',
+    '09f_bench_cli': 'runs in 9 s (peak 0.5 GiB) on a 2-core CPU',
     '09a_capacity': 'runs in 76 s (peak 1.9 GiB) on a 2-core CPU',
     '09b_reading_vllm': 'runs in 11 s (peak 0.1 GiB) on a 2-core CPU',
     '09c_vllm_events': 'runs in 2 s (peak 0.1 GiB) on a 2-core CPU',
