@@ -109,9 +109,9 @@ def _pool_cells(v: dict, was, pos: list, bs: int) -> dict:
 
 # %% ../nbs/08b_figures.ipynb #15340724
 def _freed_pages(trace: Trace, i: int) -> list:
-    "Pages freed at step `i`: given back by the plan, or in use before the step and not after it."
+    "Pages freed at step `i`: given back by the plan or by a sliding window, or in use before the step and not after."
     st = trace.steps[i]
-    out = {b for v in st["freed"].values() for b in v}
+    out = {b for d in (st["freed"], st.get("window_freed", {})) for v in d.values() for b in v}
     if i:
         pairs = zip(trace.steps[i - 1]["state"], st["state"])
         out |= {b for b, (a, c) in enumerate(pairs) if a == "u" and c != "u"}

@@ -383,18 +383,27 @@ def kv_groups(self: Trace) -> list:
 def _tables(s) -> list: return s.get("tables") or [s["table"]]
 
 # %% ../nbs/08_trace.ipynb #40b9a2ae
+def _gained_nulls(before, after, null) -> list:
+    "Per group, how many null entries its table gained in a step (the blocks it gave back); [] if that cannot be told."
+    if after is None: return []
+    before = before or [[] for _ in after]
+    gained = [t.count(null) - b.count(null) for b, t in zip(before, after)]
+    return gained if min(gained, default=0) >= 0 else []
+
 @patch
 def window_freed(self: Trace, i) -> list:
     "Step `i`'s blocks that left a sliding window: seq, group (None if the tables cannot tell) and block."
     i = _index(self, i)
-    st, prev = self.steps[i], self.steps[i - 1]["seqs"] if i else {}
+    st, prev, null = self.steps[i], self.steps[i - 1]["seqs"] if i else {}, self.meta.get("null_block")
     windowed = [g for g, spec in enumerate(self.kv_groups) if spec["window"] is not None]
     out = []
     for k, blocks in st.get("window_freed", {}).items():
-        before = _tables(prev[k]) if k in prev else []
-        for b in blocks:
-            g = next((g for g, t in enumerate(before) if b in t), windowed[0] if len(windowed) == 1 else None)
-            out.append(dict(seq=int(k), group=g, block=b))
+        before = _tables(prev[k]) if k in prev else None
+        after = _tables(st["seqs"][k]) if k in st["seqs"] else None
+        by_count = [g for g, n in enumerate(_gained_nulls(before, after, null)) for _ in range(n)]
+        for j, b in enumerate(blocks):                 # `free_skipped` gives them back group by group, in order
+            g = next((g for g, t in enumerate(before or []) if b in t), windowed[0] if len(windowed) == 1 else None)
+            out.append(dict(seq=int(k), group=by_count[j] if len(by_count) == len(blocks) else g, block=b))
     return out
 
 # %% ../nbs/08_trace.ipynb #h18-tr-spec
