@@ -268,6 +268,9 @@ def _step_events(trace: Trace, i: int, p: dict, finished: list) -> list[str]:
         toks = "".join(f"<span style='{_FATE_CSS[d['fate']]}'>{_esc(d['text'])}</span>" for d in fates)
         ev.append(f"seq {s['seq']} drafts {toks}: {s['accepted']}/{len(s['drafts'])} accepted, "
                   f"{s['kept']['fate']} token")
+    left = trace.window_freed(i)
+    if left: ev.append("left a window: " + ", ".join(f"page {w['block']} (seq {w['seq']}, group {w['group']})"
+                                                      for w in left))
     if finished: ev.append(f"finished {finished}")
     return ev
 
