@@ -10,23 +10,41 @@ __all__ = ['CacheReader', 'page_mass', 'token_attention', 'page_attention']
 # %% ../nbs/08d_attention_views.ipynb #68a1888c
 from .plots import seq_color
 from .figures import MAX_WIDTH, _go, _esc, _animation_controls
+from .hybrid_kv import layer_slots
+from fastcore.basics import patch
 
 # %% ../nbs/08d_attention_views.ipynb #h18-w-reader
 class CacheReader:
     "Attention for one token at position `n - 1` that reads K/V through a block table, writes nothing, keeps weights."
-    def __init__(self, kv_cache, table, block_size: int, n: int, scale: float):
+    def __init__(self, kv_cache, table, block_size: int, n: int, scale: float, groups=None, specs=None):
         import torch
-        pos, t = torch.arange(n), torch.as_tensor(table, dtype=torch.long)
-        self.kv, self.scale, self.weights = kv_cache, scale, []
-        self.slots = (t[pos//block_size]*block_size + pos % block_size).to(kv_cache.device)
+        pos, tables = torch.arange(n), [table] if groups is None else table     # with groups: a table per group
+        slot = lambda t: torch.as_tensor(t, dtype=torch.long)[pos//block_size]*block_size + pos % block_size
+        self.group_slots = [slot(t).to(kv_cache.device) for t in tables]
+        self.kv, self.scale, self.specs, self.n, self.weights = kv_cache, scale, specs, n, []
+        self.where = layer_slots(groups) if groups is not None else None       # layer -> (group, slot)
+        self.slots = self.group_slots[0]
     def __call__(self, layer, q, k, v):
         import torch
-        kc, vc = (self.kv[j, layer].flatten(0, 1)[self.slots].float() for j in (0, 1))   # [n, kv heads, head dim]
-        g = q.shape[1]//kc.shape[1]
-        kc, vc = kc.repeat_interleave(g, 1), vc.repeat_interleave(g, 1)
-        w = torch.softmax(torch.einsum("hd,nhd->hn", q[0].float(), kc)*self.scale, -1)
+        g, j = self.where[layer] if self.where else (0, layer)
+        kc, vc = (self.kv[x, j].flatten(0, 1)[self.group_slots[g]].float() for x in (0, 1))   # [n, kv heads, dim]
+        rep = q.shape[1]//kc.shape[1]
+        kc, vc = kc.repeat_interleave(rep, 1), vc.repeat_interleave(rep, 1)
+        w = torch.softmax(self._scores(layer, torch.einsum("hd,nhd->hn", q[0].float(), kc)), -1)
         self.weights.append(w)
         return torch.einsum("hn,nhd->hd", w, vc)[None].to(q.dtype)
+
+# %% ../nbs/08d_attention_views.ipynb #2c936d70
+@patch
+def _scores(self: CacheReader, layer, s):
+    "Layer `layer`'s scores `[heads, n]`: its scale and soft cap, and the positions before its window left out."
+    import torch
+    spec = self.specs[layer] if self.specs is not None else None
+    if spec is None: return s*self.scale
+    s = s*spec.scale
+    if spec.softcap is not None: s = spec.softcap*torch.tanh(s/spec.softcap)
+    if spec.window is not None: s[:, :max(0, self.n - spec.window)] = float("-inf")   # keys it no longer reads
+    return s
 
 # %% ../nbs/08d_attention_views.ipynb #h18-w-pagemass
 def page_mass(weights, block_size: int, num_kv_heads: int):
@@ -52,18 +70,27 @@ def _live_seq(engine, seq_id, position):
     return seq, pos
 
 # %% ../nbs/08d_attention_views.ipynb #h18-w-tokattn
+def _reader(r, seq, block_size: int, n: int) -> CacheReader:
+    "A `CacheReader` over the runner's cache: each layer through its KV-cache group's table, with its own spec."
+    specs = [view[3] for view in r.attn.layers]                       # each layer's window, scale and soft cap
+    return CacheReader(r.kv_cache, [list(t) for t in seq.block_tables], block_size, n, r.attn.scale,
+                       groups=r.groups, specs=specs)
+
 def token_attention(llm, seq_id: int, position: int | None = None) -> dict:
     "Sequence `seq_id`'s query at `position` (default: its last cached token) against its cached K, every layer."
     import torch
     e = getattr(llm, "engine", llm)
     seq, pos = _live_seq(e, seq_id, position)
     r, bs = e.runner, e.block_manager.block_size
-    reader = CacheReader(r.kv_cache, seq.block_table, bs, pos + 1, r.attn.scale)
+    reader = _reader(r, seq, bs, pos + 1)
     token, where = torch.tensor([seq.token_ids[pos]], device=r.device), torch.tensor([pos], device=r.device)
     with torch.inference_mode(): r.model(token, where, reader)
     w = torch.stack(reader.weights).cpu()                             # [layers, heads, pos + 1]
+    slots = layer_slots(r.groups)
     return dict(seq_id=seq_id, position=pos, token_ids=list(seq.token_ids[:pos + 1]), weights=w,
-                block_table=list(seq.block_table[:pos//bs + 1]), pages=page_mass(w, bs, r.kv_cache.shape[-2]))
+                block_table=list(seq.block_table[:pos//bs + 1]), pages=page_mass(w, bs, r.kv_cache.shape[-2]),
+                block_tables=[list(t[:pos//bs + 1]) for t in seq.block_tables],
+                layer_groups=[slots[l][0] for l in range(len(slots))], windows=[s.window for s in reader.specs])
 
 # %% ../nbs/08d_attention_views.ipynb #h18-w-attncells
 def _attention_tip(e, r: dict, layer: int, g: int, lg: int, b: int, mass: float, w) -> str:
@@ -76,22 +103,49 @@ def _attention_tip(e, r: dict, layer: int, g: int, lg: int, b: int, mass: float,
             f"physical page {b} = its logical page {lg} (ref_count {refs}): {mass:.1%}<br>"
             f"strongest token there: {strongest} {float(w[g, top]):.1%}")
 
+def _layer_pages(r: dict, layer: int, bs: int, null) -> list:
+    "The pages of token `r` that `layer` sees: (logical page, physical page, whether it reads it), its group's table."
+    g = r["layer_groups"][layer] if "layer_groups" in r else 0
+    table = r["block_tables"][g] if "block_tables" in r else r["block_table"]
+    w = r["windows"][layer] if "windows" in r else None
+    first = 0 if w is None else max(0, r["position"] + 1 - w)           # the first position its window reads
+    return [(lg, b, (lg + 1)*bs > first and b != null) for lg, b in enumerate(table)]
+
+def _unread_tip(r: dict, layer: int, lg: int, b: int, null) -> str:
+    "Hover text of a page `layer` does not read: before its window, or the null block that replaced it."
+    what = f"null block {b}: pages that left the window" if b == null else f"physical page {b} = logical page {lg}"
+    return (f"seq {r['seq_id']} token {r['position']} · layer {layer} (window {r['windows'][layer]})<br>"
+            f"{what}: before the window, not read (0%)")
+
 def _attention_cells(e, res, cols, layer):
-    "Heatmap rows (one per token and kv group) at `layer`: the mass on each physical page and its hover text."
-    z, hov = [], []
+    "Heatmap rows (a token and kv-head group each) at `layer`: mass per physical page, hover, pages it does not read."
+    z, hov, off, null, bs = [], [], [], e.block_manager.null_block, e.block_manager.block_size
     for r in res:
         G = r["pages"].shape[1]
         w = r["weights"][layer].view(G, -1, r["weights"].shape[-1]).mean(1)   # [groups, positions]
         for g in range(G):
-            row, tip = [None]*len(cols), [""]*len(cols)
-            for lg, b in enumerate(r["block_table"]):
+            row, tip, grey = [None]*len(cols), [""]*len(cols), [None]*len(cols)
+            for lg, b, read in (p for p in _layer_pages(r, layer, bs, null) if p[1] in cols):
+                if not read:
+                    grey[cols[b]], tip[cols[b]] = 1, _unread_tip(r, layer, lg, b, null)
+                    continue
                 row[cols[b]] = round(float(r["pages"][layer, g, lg]), 4)
                 tip[cols[b]] = _attention_tip(e, r, layer, g, lg, b, row[cols[b]], w)
-            z.append(row)
-            hov.append(tip)
-    return z, hov
+            z.append(row), hov.append(tip), off.append(grey)
+    return z, hov, off
 
 # %% ../nbs/08d_attention_views.ipynb #h18-w-pageattn
+_UNREAD = dict(hoverinfo="text", hoverongaps=False, zmin=0, zmax=1, showscale=False, xgap=2, ygap=2,
+               colorscale=[[0, "#d9d9d9"], [1, "#d9d9d9"]], name="not read (before the window)")
+
+def _windowed(r: dict) -> bool: return len(r["block_tables"]) > 1 or any(w is not None for w in r["windows"])
+
+def _layer_frame(go, layer: int, cells: tuple, hybrid: bool):
+    "Layer `layer`'s frame: the mass heatmap and, with windows, the grey pages the layer does not read."
+    z, hov, off = cells
+    data = [go.Heatmap(z=z, text=hov)] + ([go.Heatmap(z=off, text=hov)] if hybrid else [])
+    return go.Frame(name=str(layer), data=data, traces=[0, 1] if hybrid else [0])
+
 def page_attention(llm, queries=None):
     "Per layer (slider) and kv-head group, the attention mass that each chosen token puts on each physical page."
     go = _go()
@@ -101,16 +155,18 @@ def page_attention(llm, queries=None):
         raise ValueError("no queries: pass [(seq_id, position), ...] or step the engine until a request runs")
     res = [token_attention(e, sid, pos) for sid, pos in queries]
     nb = e.block_manager.num_blocks
-    shown = list(range(nb)) if nb <= 48 else sorted({b for r in res for b in r["block_table"]})
+    held = {b for r in res for t in r["block_tables"] for b in t}         # every KV-cache group's pages
+    shown = list(range(nb)) if nb <= 48 else sorted(held)
     cols, L, G = {b: j for j, b in enumerate(shown)}, res[0]["pages"].shape[0], res[0]["pages"].shape[1]
     ylab = [f"<span style='color:{seq_color(r['seq_id'])}'>seq {r['seq_id']} @{r['position']} g{g}</span>"
             for r in res for g in range(G)]
-    z, hov = _attention_cells(e, res, cols, 0)
-    bar = dict(thickness=10, tickformat=".0%")
-    fig = go.Figure(go.Heatmap(z=z, x=[str(b) for b in shown], y=ylab, text=hov, hoverinfo="text", zmin=0, zmax=1,
-                               colorscale="YlOrRd", xgap=2, ygap=2, colorbar=bar))
-    fig.frames = [go.Frame(name=str(l), data=[go.Heatmap(z=c[0], text=c[1])], traces=[0])
-                  for l, c in ((l, _attention_cells(e, res, cols, l)) for l in range(L))]
+    z, hov, off = _attention_cells(e, res, cols, 0)
+    bar, hybrid, x = dict(thickness=10, tickformat=".0%"), _windowed(res[0]), [str(b) for b in shown]
+    heat = [go.Heatmap(z=z, x=x, y=ylab, text=hov, hoverinfo="text", zmin=0, zmax=1,
+                       colorscale="YlOrRd", xgap=2, ygap=2, colorbar=bar)]
+    if hybrid: heat.append(go.Heatmap(z=off, x=x, y=ylab, text=hov, **_UNREAD))
+    fig = go.Figure(heat)
+    fig.frames = [_layer_frame(go, l, _attention_cells(e, res, cols, l), hybrid) for l in range(L)]
     _animation_controls(fig, L, prefix="layer ")
     fig.update_layout(width=min(MAX_WIDTH, 230 + 24*len(shown)), height=230 + 20*len(ylab), plot_bgcolor="white",
                       title=dict(text="attention over the physical pages, per layer", font=dict(size=13)),

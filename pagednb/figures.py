@@ -19,9 +19,11 @@ from .plots import FREE_COLOR, CACHED_COLOR, seq_color, block_fill   # one palet
 # %% ../nbs/08b_figures.ipynb #06500163
 CELL = 28                                            # pixels per page cell
 
+def _hybrid(trace: Trace) -> bool: return "kv_groups" in trace.meta    # windows or several KV-cache groups
+
 def geometry(trace: Trace, cols: int | None = None) -> dict:
-    "Lanes of each step (seq id -> row), number of lanes, grid columns, and where each physical page is drawn."
-    nb = trace.meta["num_blocks"]
+    "Lanes of each step (seq id -> first row; one row per KV-cache group), number of lanes, grid, page positions."
+    nb, G = trace.meta["num_blocks"], len(trace.kv_groups)
     lanes, held, free, release, L, widest = [], {}, [], [], 0, 0
     for st in trace.steps:
         for sid in release: free.append(held.pop(sid))
@@ -32,10 +34,10 @@ def geometry(trace: Trace, cols: int | None = None) -> dict:
             if s["table"] and sid not in held:
                 held[sid] = free.pop(0) if free else L
                 L = max(L, held[sid] + 1)
-        lanes.append(dict(held))
+        lanes.append({sid: k*G for sid, k in held.items()})
         # a sequence that finished (or was aborted) frees its lane at the next step
         release = [sid for sid in held if str(sid) not in st["seqs"]]
-    cols = cols or max(min(nb, 16), widest)
+    cols, L = cols or max(min(nb, 16), widest), L*G
     y0 = L + 1 if L else 0
     return dict(lanes=lanes, num_lanes=L, cols=cols, y0=y0, rows=y0 + -(-nb//cols),
                 pos=[(b % cols, y0 + b//cols) for b in range(nb)])
@@ -43,31 +45,41 @@ def geometry(trace: Trace, cols: int | None = None) -> dict:
 # %% ../nbs/08b_figures.ipynb #54196ec3
 def _esc(s): return _html.escape(s if isinstance(s, str) else "", quote=False).replace("\n", "⏎")
 
-def _logical_tip(s: dict, lg: int, p: dict, bs: int) -> str:
-    "Hover text of sequence `s`'s logical page `lg`: its physical page, positions, K/V computed and text."
-    lo = lg*bs
+def _group_name(spec: dict) -> str: return "full" if spec["window"] is None else f"window {spec['window']}"
+
+def _logical_tip(s: dict, lg: int, p: dict, bs: int, b=None, group: str = "") -> str:
+    "Hover text of sequence `s`'s logical page `lg` (in `group`'s table): its physical page `b`, positions, text."
+    lo, b = lg*bs, p["block"] if b is None else b
     last = lo + len(p["tokens"]) - 1
-    return (f"seq {s['seq_id']} · logical page {lg} → physical page {p['block']}<br>positions {lo}–{last}, "
+    return (f"seq {s['seq_id']}{group} · logical page {lg} → physical page {b}<br>positions {lo}–{last}, "
             f"K/V computed {p['computed']}/{bs}<br>{_esc(repr(p['text']))}")
 
 # %% ../nbs/08b_figures.ipynb #abb1b45d
-def _logical_pages(v: dict, lanes: dict, pos: list, bs: int) -> list[dict]:
-    "Each sequence's logical pages on its lane, and a link from each to its physical page (two traces)."
-    px, py, pc, po, pt, ph, lx, ly = [], [], [], [], [], [], [], []
+def _seq_tables(s: dict, groups: list) -> list:
+    "Sequence `s`'s tables with their label: ('', group 0's table) for one group, else ' · g0 window 64' and so on."
+    if len(groups) == 1 and groups[0]["window"] is None: return [("", s["block_table"])]
+    tables = s.get("block_tables") or [s["block_table"]]
+    return [(f" · g{g} {_group_name(spec)}", t) for g, (spec, t) in enumerate(zip(groups, tables))]
+
+def _logical_pages(v: dict, lanes: dict, pos: list, bs: int, groups=None, null=None) -> list[dict]:
+    "Each sequence's logical pages, one lane per group, a link to each physical page; and the null entries."
+    px, py, pc, po, pt, ph, lx, ly, nx, ny, nh = [], [], [], [], [], [], [], [], [], [], []
     for s in v["seqs"]:
         lane = lanes.get(s["seq_id"])
         if lane is None: continue
-        for lg, p in enumerate(s["pages"]):
-            px.append(lg)
-            py.append(lane)
-            pc.append(seq_color(s["seq_id"]))
-            po.append(1.0 if p["computed"] == bs else 0.55)
-            pt.append(str(p["block"]))
-            ph.append(_logical_tip(s, lg, p, bs))
-            bx, by = pos[p["block"]]
-            lx += [lg, bx, None]
-            ly += [lane + .3, by - .3, None]
-    return [dict(x=px, y=py, text=pt, hovertext=ph, marker=dict(color=pc, opacity=po)), dict(x=lx, y=ly)]
+        for g, (name, table) in enumerate(_seq_tables(s, groups or [dict(window=None)])):
+            for lg, (p, b) in enumerate(zip(s["pages"], table)):
+                tip = _logical_tip(s, lg, p, bs, b, name)
+                if b == null and null is not None:
+                    nx.append(lg), ny.append(lane + g), nh.append(tip + "<br>null block: this page left the window")
+                    continue
+                px.append(lg), py.append(lane + g), pc.append(seq_color(s["seq_id"]))
+                po.append(1.0 if p["computed"] == bs else 0.55), pt.append(str(b)), ph.append(tip)
+                bx, by = pos[b]
+                lx += [lg, bx, None]
+                ly += [lane + g + .3, by - .3, None]
+    pages = dict(x=px, y=py, text=pt, hovertext=ph, marker=dict(color=pc, opacity=po))
+    return [pages, dict(x=lx, y=ly), dict(x=nx, y=ny, hovertext=nh)]
 
 # %% ../nbs/08b_figures.ipynb #4debee1d
 def _pool_tip(b: dict, bs: int, was, copied: dict) -> str:
@@ -97,9 +109,9 @@ def _pool_cells(v: dict, was, pos: list, bs: int) -> dict:
 
 # %% ../nbs/08b_figures.ipynb #15340724
 def _freed_pages(trace: Trace, i: int) -> list:
-    "Pages freed at step `i`: given back by the plan, or in use before the step and not after it."
+    "Pages freed at step `i`: given back by the plan or by a sliding window, or in use before the step and not after."
     st = trace.steps[i]
-    out = {b for v in st["freed"].values() for b in v}
+    out = {b for d in (st["freed"], st.get("window_freed", {})) for v in d.values() for b in v}
     if i:
         pairs = zip(trace.steps[i - 1]["state"], st["state"])
         out |= {b for b, (a, c) in enumerate(pairs) if a == "u" and c != "u"}
@@ -111,14 +123,17 @@ def _page_marks(pos: list, pages: list, what: str) -> dict:
     return dict(x=xs, y=ys, hovertext=[f"page {b} {what}" for b in pages])
 
 # %% ../nbs/08b_figures.ipynb #e0e32618
-def _lane_labels(v: dict, lanes: dict, num_lanes: int) -> dict:
-    "The label left of each lane: its sequence, ✓ when it finished, ⏸ when it waits to recompute."
-    q, seq_of = v["queues"], {lane: sid for sid, lane in lanes.items()}
+def _lane_labels(v: dict, lanes: dict, num_lanes: int, groups=None) -> dict:
+    "The label left of each lane: its sequence (and group), ✓ when it finished, ⏸ when it waits to recompute."
+    groups = groups or [dict(window=None)]
+    G, q = len(groups), v["queues"]
+    seq_of = {lane + g: (sid, g) for sid, lane in lanes.items() for g in range(G)}
     def label(k):
-        sid = seq_of.get(k)
+        sid, g = seq_of.get(k, (None, 0))
         if sid is None: return ""
         again = sid in q["recompute"] and sid in q["waiting"]
-        return f"seq {sid}" + (" ✓" if sid in q["finished"] else " ⏸" if again else "")
+        name = "" if G == 1 and groups[0]["window"] is None else f" · {_group_name(groups[g])}"
+        return f"seq {sid}{name}" + (" ✓" if sid in q["finished"] else " ⏸" if again else "")
     return dict(x=[-.6]*num_lanes, y=list(range(num_lanes)), text=[label(k) for k in range(num_lanes)])
 
 # %% ../nbs/08b_figures.ipynb #14d8ed4a
@@ -155,16 +170,25 @@ def _marks(trace, i, pos) -> list[dict]:
     return [_copy_marks(trace, i, pos), _given_back(trace, i, pos)]
 
 # %% ../nbs/08b_figures.ipynb #30400c8a
+def _window_marks(trace: Trace, i: int, pos: list) -> dict:
+    "The pages that left a sliding window at step `i`, marked in the pool as they go back to it."
+    out = trace.window_freed(i)
+    said = lambda w: "a sliding window" if w["group"] is None else f"the window of group {w['group']}"
+    tips = [f"page {w['block']}: left {said(w)} (seq {w['seq']}); back in the pool" for w in out]
+    return dict(x=[pos[w["block"]][0] for w in out], y=[pos[w["block"]][1] for w in out], hovertext=tips)
+
 def map_panel(trace: Trace, i: int, geo: dict) -> list[dict]:
-    "The page map at step `i`: logical pages, links, pool, freed and new pages, lane labels, copies, slots given back."
-    v, pos, lanes = trace.step(i), geo["pos"], geo["lanes"][i]
-    was = trace.steps[i - 1]["ref"] if i else None
-    pages = _logical_pages(v, lanes, pos, trace.meta["block_size"])
-    pool = _pool_cells(v, was, pos, trace.meta["block_size"])
+    "The page map at step `i`: pages, links, pool, freed and new pages, labels, copies, slots given back (+ windows)."
+    v, pos, lanes, bs = trace.step(i), geo["pos"], geo["lanes"][i], trace.meta["block_size"]
+    was, groups = trace.steps[i - 1]["ref"] if i else None, trace.kv_groups
+    pages = _logical_pages(v, lanes, pos, bs, groups, trace.meta.get("null_block"))
+    pool = _pool_cells(v, was, pos, bs)
     new = sorted({b for table in v["plan"]["allocated"].values() for b in table})
     freed = _page_marks(pos, _freed_pages(trace, i), "freed in this step")
     taken = _page_marks(pos, new, "taken in this step")
-    return pages + [pool, freed, taken, _lane_labels(v, lanes, geo["num_lanes"])] + _marks(trace, i, pos)
+    labels = _lane_labels(v, lanes, geo["num_lanes"], groups)
+    out = pages[:2] + [pool, freed, taken, labels] + _marks(trace, i, pos)
+    return out + [pages[2], _window_marks(trace, i, pos)] if _hybrid(trace) else out
 
 # %% ../nbs/08b_figures.ipynb #92a8288e
 def _batch_tip(s: dict, kind: str) -> str:
@@ -244,6 +268,9 @@ def _step_events(trace: Trace, i: int, p: dict, finished: list) -> list[str]:
         toks = "".join(f"<span style='{_FATE_CSS[d['fate']]}'>{_esc(d['text'])}</span>" for d in fates)
         ev.append(f"seq {s['seq']} drafts {toks}: {s['accepted']}/{len(s['drafts'])} accepted, "
                   f"{s['kept']['fate']} token")
+    left = trace.window_freed(i)
+    if left: ev.append("left a window: " + ", ".join(f"page {w['block']} (seq {w['seq']}, group {w['group']})"
+                                                      for w in left))
     if finished: ev.append(f"finished {finished}")
     return ev
 
@@ -312,6 +339,15 @@ def _map_traces(go) -> list:
                        marker=dict(size=13, color="#ff7f0e", angleref="previous", line=orange)),
             mark("slots given back", symbol="diamond-open", size=CELL - 10, line=dict(width=3, color="#9467bd"))]
 
+def _window_traces(go) -> list:
+    "A hybrid model's two more traces: the null entries of the block tables, and the pages a window gave back."
+    null, grey = dict(symbol="square-open", size=CELL - 6, color="#999", line=dict(width=1)), dict(size=9, color="#999")
+    return [go.Scatter(mode="markers+text", marker=null, text="∅", textfont=grey, hoverinfo="text",
+                       name="null (left the window)"),
+            go.Scatter(mode="markers", marker=dict(symbol="triangle-down-open", size=CELL - 10,
+                                                   line=dict(width=3, color="#17becf")), hoverinfo="text",
+                       name="left a window now")]
+
 def _map_legend(go) -> list:
     "Legend entries only: free, cached-free and shared pages."
     key = lambda name, **m: go.Scatter(x=[None], y=[None], mode="markers", marker=dict(size=12, **m), name=name)
@@ -323,10 +359,11 @@ def map_figure(trace: Trace, geo: dict, i: int = 0):
     "The page-map figure (lanes of logical pages over the physical pool) at step `i`."
     go = _go()
     cols, rows, L = geo["cols"], geo["rows"], geo["num_lanes"]
-    fig = go.Figure(_map_traces(go) + _map_legend(go))
+    wide = 60*_hybrid(trace)                                # room for the longer lane labels
+    fig = go.Figure(_map_traces(go) + _window_traces(go)*_hybrid(trace) + _map_legend(go))
     ann = [dict(x=-.6, y=geo["y0"], text="pool", showarrow=False, xanchor="right", font=dict(size=10))] if L else []
     legend = dict(orientation="h", y=1.0, yanchor="bottom", x=1, xanchor="right", font=dict(size=10))
-    fig.update_layout(width=130 + CELL*cols, height=110 + CELL*rows, margin=dict(l=70, r=10, t=40, b=10),
+    fig.update_layout(width=130 + wide + CELL*cols, height=110 + CELL*rows, margin=dict(l=70 + wide, r=10, t=40, b=10),
                       plot_bgcolor="white", title=dict(text="pages", font=dict(size=13)), annotations=ann,
                       showlegend=True, legend=legend)
     fig.update_xaxes(visible=False, range=[-.5, cols - .5], fixedrange=True)
@@ -569,7 +606,7 @@ def trace_animation(trace: Trace, title: str | None = None):
                         subplot_titles=("pages", "batch (tokens)", "queues", "memory over time"))
     index = _stack(fig, parts)
     fig.update_yaxes(scaleanchor="x", constraintoward="top", row=1, col=1)
-    dyn = index["map"][:_MAP_DYNAMIC] + index["batch"] + index["queues"] + [index["memory"][-1]]
+    dyn = index["map"][:_MAP_DYNAMIC + 2*_hybrid(trace)] + index["batch"] + index["queues"] + [index["memory"][-1]]
     fig.frames = _trace_frames(fig, trace, geo, dyn, title)
     _animation_controls(fig, len(trace))
     legend = dict(orientation="h", y=-.14, yanchor="top", x=0, font=dict(size=9))

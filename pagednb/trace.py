@@ -47,6 +47,13 @@ class Trace:
                 f"{m.get('num_blocks')} blocks of {m.get('block_size')}, {state})")
 
 # %% ../nbs/08_trace.ipynb #b9bcec9c
+def _groups_meta(engine) -> dict:
+    "With windows or several KV-cache groups: each group's window and layers, and the null block; else nothing."
+    groups = getattr(engine, "kv_groups", None)
+    if not groups or (len(groups) == 1 and groups[0].window is None): return {}
+    kv = [dict(window=g.window, layers=list(g.layers)) for g in groups]
+    return dict(kv_groups=kv, null_block=engine.block_manager.null_block)
+
 def _engine_meta(engine):
     "The engine's model name, pool and scheduler knobs, for the trace's `meta`."
     bm, sc, cfg = engine.block_manager, engine.sched_config, engine.model_config
@@ -58,7 +65,7 @@ def _engine_meta(engine):
                 enable_prefix_caching=bool(getattr(bm, "enable_prefix_caching", False)),
                 enable_chunked_prefill=sc.enable_chunked_prefill, max_num_batched_tokens=sc.max_num_batched_tokens,
                 max_num_seqs=sc.max_num_seqs, max_model_len=sc.max_model_len,
-                attention_backend=attn and engine.runner.attn.backend)
+                attention_backend=attn and engine.runner.attn.backend, **_groups_meta(engine))
 
 # %% ../nbs/08_trace.ipynb #ef98a223
 @patch(cls_method=True)
@@ -200,6 +207,8 @@ def record(self: Trace, engine, plan, sampled):
         copies=[list(c) for c in plan.copies], seqs=seqs, running=[s.seq_id for s in sch.running],
         waiting=[s.seq_id for s in sch.waiting], finished=finished, **_pool_entries(bm),
         sampled=_token_lists(sampled), kv=_kv_entry(engine, bm)))
+    wf = getattr(plan, "window_freed", None)
+    if wf: self.steps[-1]["window_freed"] = _ids_dict(wf)      # blocks a sliding window left (`03a_hybrid_kv`)
     for toks in self.steps[-1]["sampled"].values():
         for t in toks:
             self._piece(t)
@@ -283,11 +292,15 @@ def _step_seqs(self: Trace, st) -> tuple:
             toks = self._page_tokens(sid, lg, s["tokens"])
             computed = max(0, min(bs, s["computed"] - lg*bs))
             pages.append(dict(block=b, tokens=toks, text=self.text_of(toks), computed=computed))
-            owners.setdefault(b, []).append([sid, lg])
+        for g, t in enumerate(s.get("tables") or [s["table"]]):     # every group's table holds pages
+            for lg, b in enumerate(t):
+                if b != self.meta.get("null_block") and [sid, lg] not in owners.get(b, []):
+                    owners.setdefault(b, []).append([sid, lg])
         status = "running" if sid in st["running"] else "waiting"
         seqs.append(dict(seq_id=sid, request=e["request"], index=e["index"], status=status,
                          block_table=list(s["table"]), num_tokens=s["tokens"], num_prompt_tokens=e["prompt_len"],
                          num_computed_tokens=s["computed"], num_cached_tokens=s["cached"], pages=pages))
+        if "tables" in s: seqs[-1]["block_tables"] = [list(t) for t in s["tables"]]
     return seqs, owners
 
 # %% ../nbs/08_trace.ipynb #3ae3abd3
@@ -359,6 +372,38 @@ def copy_on_write(self: Trace, i) -> list:
         sid, lg = who[0] if who else (None, None)
         out.append(dict(src=src, dst=dst, seq=sid, logical=lg, src_ref_before=before[src],
                         src_ref=st["ref"][src]))
+    return out
+
+# %% ../nbs/08_trace.ipynb #4467a6ce
+@patch(as_prop=True)
+def kv_groups(self: Trace) -> list:
+    "Each KV-cache group's window and layers; one full-attention group when the trace recorded none."
+    return self.meta.get("kv_groups") or [dict(window=None, layers=None)]
+
+def _tables(s) -> list: return s.get("tables") or [s["table"]]
+
+# %% ../nbs/08_trace.ipynb #40b9a2ae
+def _gained_nulls(before, after, null) -> list:
+    "Per group, how many null entries its table gained in a step (the blocks it gave back); [] if that cannot be told."
+    if after is None: return []
+    before = before or [[] for _ in after]
+    gained = [t.count(null) - b.count(null) for b, t in zip(before, after)]
+    return gained if min(gained, default=0) >= 0 else []
+
+@patch
+def window_freed(self: Trace, i) -> list:
+    "Step `i`'s blocks that left a sliding window: seq, group (None if the tables cannot tell) and block."
+    i = _index(self, i)
+    st, prev, null = self.steps[i], self.steps[i - 1]["seqs"] if i else {}, self.meta.get("null_block")
+    windowed = [g for g, spec in enumerate(self.kv_groups) if spec["window"] is not None]
+    out = []
+    for k, blocks in st.get("window_freed", {}).items():
+        before = _tables(prev[k]) if k in prev else None
+        after = _tables(st["seqs"][k]) if k in st["seqs"] else None
+        by_count = [g for g, n in enumerate(_gained_nulls(before, after, null)) for _ in range(n)]
+        for j, b in enumerate(blocks):                 # `free_skipped` gives them back group by group, in order
+            g = next((g for g, t in enumerate(before or []) if b in t), windowed[0] if len(windowed) == 1 else None)
+            out.append(dict(seq=int(k), group=by_count[j] if len(by_count) == len(blocks) else g, block=b))
     return out
 
 # %% ../nbs/08_trace.ipynb #h18-tr-spec
