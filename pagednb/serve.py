@@ -169,9 +169,9 @@ def _routes(app, server):
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await server.chat_response(body, request)
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest): return server.tokenize(body)
+    async def tokenize(body: TokenizeRequest): return await server.off_loop(server.tokenize, body)
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest): return server.detokenize(body)
+    async def detokenize(body: DetokenizeRequest): return await server.off_loop(server.detokenize, body)
 
 # %% ../nbs/10e_serve.ipynb #e3799652
 def build_app(server: OpenAIServer) -> FastAPI:
