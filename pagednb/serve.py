@@ -10,7 +10,7 @@ __all__ = ['logger', 'default_allowed_hosts', 'build_app', 'header_timeout_proto
 
 # %% ../nbs/10e_serve.ipynb #serve-imports
 from fastcore.basics import patch
-import contextlib, hashlib, hmac, ipaddress, logging, os, threading, time
+import contextlib, hashlib, hmac, ipaddress, logging, os, re, threading, time
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
@@ -113,18 +113,28 @@ async def __call__(self: _Guard, scope, receive, send):
     return await self.app(scope, counted, send)
 
 # %% ../nbs/10e_serve.ipynb #60e0ab85
+_TAG = re.compile(r"^(str|int|float|bool|dict|list|none|[A-Z]\w*)$|\[|^function-")
+
+def _split_loc(loc):
+    "A pydantic error location as (the field's path, the union member tried there such as 'list[int]', or None)."
+    parts = [p for p in loc if p != "body"]
+    i = next((i for i, p in enumerate(parts) if isinstance(p, str) and _TAG.search(p)), None)
+    return ".".join(map(str, parts[:i])) or None, (None if i is None else parts[i])
+
+# %% ../nbs/10e_serve.ipynb #60e0ab85-0
 def _validation_error(exc):
-    errs = exc.errors()
-    e = errs[0] if errs else {}
-    if isinstance(e, str): return APIError(e)
-    loc = [str(p) for p in e.get("loc", ()) if p != "body"]
+    "OpenAI's error for pydantic's errors: the first field named, a union's members listed, the input shown."
+    errs = [e if isinstance(e, dict) else {"msg": str(e)} for e in exc.errors()] or [{}]
+    e = errs[0]
     if e.get("type") == "json_invalid":
         return APIError(f"the body is not valid JSON: {e.get('ctx', {}).get('error', e.get('msg'))}")
-    param = ".".join(loc) or None
-    shown = "input" in e and not isinstance(e["input"], (dict, list, bytes))
-    got = f" (got {repr(e['input'])[:80]})" if shown else ""
-    msg = (f"{param}: " if param else "") + e.get("msg", "invalid request") + got
-    if len(errs) > 1: msg += f" (and {len(errs)-1} more problem{'s' if len(errs) > 2 else ''})"
+    param, tag = _split_loc(e.get("loc", ()))
+    same = [x for x in errs if _split_loc(x.get("loc", ()))[0] == param] if tag else [e]
+    tags = list(dict.fromkeys(t for t in (_split_loc(x.get("loc", ()))[1] for x in same) if t))
+    what = f"matches none of the accepted types ({', '.join(tags)})" if len(tags) > 1 else e.get("msg", "invalid")
+    shown = "input" in e and not isinstance(e["input"], (dict, list, bytes)) and len(tags) <= 1
+    msg = (f"{param}: " if param else "") + what + (f" (got {repr(e['input'])[:80]})" if shown else "")
+    if (more := len(errs) - len(same)) > 0: msg += f" (and {more} more problem{'s' if more > 1 else ''})"
     return APIError(msg, param=param)
 
 # %% ../nbs/10e_serve.ipynb #60e0ab85-1
@@ -138,7 +148,7 @@ def _handlers(app):
     async def _http(request, exc):
         return APIError(str(exc.detail), exc.status_code).response(getattr(exc, "headers", None))
     @app.exception_handler(ClientDisconnected)
-    async def _gone(request, exc): return JSONResponse({}, status_code=499)
+    async def _gone(request, exc): return APIError("the client closed the connection before the answer", 499).response()
     @app.exception_handler(Exception)
     async def _bug(request, exc):
         logger.exception("unexpected error in %s %s", request.method, request.url.path, exc_info=exc)
