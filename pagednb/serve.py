@@ -155,6 +155,10 @@ def _handlers(app):
         return APIError(f"internal error: {type(exc).__name__}: {exc}", 500).response()
 
 # %% ../nbs/10e_serve.ipynb #c21f699b
+def _json(fn):
+    "`fn` answering a `JSONResponse`: its JSON (200,000 token ids for a 1 MB prompt) is written off the loop too."
+    return lambda body: JSONResponse(fn(body))
+
 def _routes(app, server):
     async def health():
         if not server.aengine.is_running: return JSONResponse({"status": "engine stopped"}, status_code=503)
@@ -179,9 +183,9 @@ def _routes(app, server):
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await server.chat_response(body, request)
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest): return await server.off_loop(server.tokenize, body)
+    async def tokenize(body: TokenizeRequest): return await server.off_loop(_json(server.tokenize), body)
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest): return await server.off_loop(server.detokenize, body)
+    async def detokenize(body: DetokenizeRequest): return await server.off_loop(_json(server.detokenize), body)
 
 # %% ../nbs/10e_serve.ipynb #e3799652
 def build_app(server: OpenAIServer) -> FastAPI:

@@ -227,3 +227,38 @@ def test_engine_and_server_agree_on_max_logprobs(model_dir):
         r = httpx.post(srv.url + "/v1/completions", json={**GOOD, "logprobs": 31}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
     finally: srv.stop()
+
+BIG = "hello world, the quick brown fox. " * 28_000                   # 952 KB: a body just under the 1 MiB cap
+STALL_BOUND = 2.0   # seconds: the longest a /health answer or a stream's next chunk may take while big bodies tokenise
+
+def _timed_stream(url, gaps):
+    "Stream a long completion, recording the gap before each chunk."
+    body = dict(GOOD, max_tokens=300, stream=True)
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+        t = time.monotonic()
+        for line in r.iter_lines():
+            if line.startswith("data: "): gaps.append(time.monotonic() - t); t = time.monotonic()
+
+def test_large_tokenize_does_not_stall(model_dir):
+    "Eight parallel ~1 MB /tokenize requests run off the event loop: /health and a running stream keep being served."
+    from concurrent.futures import ThreadPoolExecutor
+    s = Server(model_dir)
+    try:
+        gaps, health = [], []
+        with ThreadPoolExecutor(10) as ex:
+            stream = ex.submit(_timed_stream, s.url, gaps)
+            while not gaps: time.sleep(0.01)
+            t0 = time.monotonic()
+            big = [ex.submit(httpx.post, s.url + "/tokenize", json={"prompt": BIG}, timeout=120) for _ in range(8)]
+            while not all(f.done() for f in big):
+                t = time.monotonic()
+                assert httpx.get(s.url + "/health", timeout=30).status_code == 200
+                health.append(time.monotonic() - t)
+                time.sleep(0.05)
+            took = time.monotonic() - t0
+            assert all(f.result().status_code == 200 and f.result().json()["count"] > 200_000 for f in big)
+            stream.result()
+        print(f"\n8 x 1 MB /tokenize in {took:.1f} s: /health worst {max(health):.2f} s over {len(health)} probes, "
+              f"stream's worst gap {max(gaps[1:]):.2f} s over {len(gaps)} chunks")
+        assert max(health) < STALL_BOUND and max(gaps[1:]) < STALL_BOUND, (max(health), max(gaps[1:]))
+    finally: s.stop()
