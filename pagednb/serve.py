@@ -10,13 +10,14 @@ __all__ = ['logger', 'default_allowed_hosts', 'build_app', 'header_timeout_proto
 
 # %% ../nbs/10e_serve.ipynb #serve-imports
 from fastcore.basics import patch
-import contextlib, hashlib, hmac, ipaddress, logging, os, re, threading, time
+import collections, contextlib, hashlib, hmac, ipaddress, json, logging, os, re, threading, time
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from .engine import EngineDeadError
-from .protocol import (APIError, MAX_N, MAX_LOGPROBS, MAX_BODY_BYTES, HEADER_TIMEOUT, CompletionRequest,
+from .protocol import (APIError, MAX_N, MAX_LOGPROBS, MAX_BODY_BYTES, HEADER_TIMEOUT, BODY_TIMEOUT,
+                              MAX_CONNECTIONS_PER_CLIENT, CompletionRequest,
                               ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
 from .core_client import build_engine_client
 from .serving import OpenAIServer, ClientDisconnected
@@ -207,12 +208,14 @@ def build_app(server: OpenAIServer) -> FastAPI:
     return _Guard(app, server.api_keys, server.max_body_bytes, server.allowed_hosts, guarded)
 
 # %% ../nbs/10e_serve.ipynb #67944744
-def header_timeout_protocol(seconds=HEADER_TIMEOUT):
-    "uvicorn's h11 protocol class, closing a connection whose request headers are unfinished after `seconds`."
+def header_timeout_protocol(seconds=HEADER_TIMEOUT, body_timeout=BODY_TIMEOUT,
+                            max_per_client=MAX_CONNECTIONS_PER_CLIENT):
+    "uvicorn's h11 protocol: unfinished headers closed after `seconds`, bodies after `body_timeout`, per-client cap."
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
     class HeaderTimeoutH11(H11Protocol):
-        _timer = None                        # armed from a request's first byte until its headers end
+        _timer = _body_timer = _peer = None  # header clock: from a request's first byte until its headers end
+        clients = collections.Counter()      # open connections per client address, of this server
         def _arm(self): self._timer = self.loop.call_later(seconds, self._deadline)
         def _disarm(self):
             if self._timer is not None: self._timer.cancel()
@@ -221,24 +224,49 @@ def header_timeout_protocol(seconds=HEADER_TIMEOUT):
             self._timer = None
             if self.conn.their_state is h11.IDLE and not self.transport.is_closing(): self.transport.close()
         def connection_made(self, transport):
+            peer = (transport.get_extra_info("peername") or ("?",))[0]
+            if self.clients[peer] >= max_per_client: return _too_many(transport, max_per_client)
+            self._peer, self.clients[peer] = peer, self.clients[peer] + 1
             super().connection_made(transport)
             self._arm()                                # the first request's clock starts with the connection
         def data_received(self, data):
             if self._timer is None and self.conn.their_state is h11.IDLE: self._arm()
             super().data_received(data)
             if self.conn.their_state is not h11.IDLE: self._disarm()
+            self._body_clock(self.conn.their_state is h11.SEND_BODY)
+        def _body_clock(self, reading):
+            "Start the body clock when a body begins, stop it when the body is in."
+            if reading and self._body_timer is None:
+                self._body_timer = self.loop.call_later(body_timeout, self._body_deadline)
+            elif not reading and self._body_timer is not None: self._body_timer = self._body_timer.cancel()
+        def _body_deadline(self):
+            if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing(): self.transport.close()
         def connection_lost(self, exc):
+            if self._peer is None: return              # refused in connection_made: never started
+            self.clients[self._peer] -= 1
             self._disarm()
+            self._body_clock(False)
             super().connection_lost(exc)
     return HeaderTimeoutH11
 
+# %% ../nbs/10e_serve.ipynb #dc633a6a
+def _too_many(transport, limit):
+    "Answer a connection over the per-client limit with a 429 in OpenAI's shape, and close it."
+    e = APIError(f"too many connections from this client: at most {limit} at once (--max-connections-per-client)",
+                 429, code="too_many_connections")
+    body = json.dumps(e.body()).encode()
+    head = f"HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+    transport.write(head.encode() + b"connection: close\r\n\r\n" + body)
+    transport.close()
+
 # %% ../nbs/10e_serve.ipynb #67944744-1
 def uvicorn_config(app, host="127.0.0.1", port=8000, log_level="info", header_timeout=HEADER_TIMEOUT,
-                   h11_max_incomplete_event_size=None, timeout_graceful_shutdown=5):
-    "The `uvicorn.Config` of a pagednb server: the header timeout, h11's header cap, a short keep-alive."
+                   h11_max_incomplete_event_size=None, timeout_graceful_shutdown=5, body_timeout=BODY_TIMEOUT,
+                   max_connections_per_client=MAX_CONNECTIONS_PER_CLIENT):
+    "The `uvicorn.Config` of a pagednb server: header and body timeouts, per-client cap, a short keep-alive."
     import uvicorn
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                          http=header_timeout_protocol(header_timeout),
+    http = header_timeout_protocol(header_timeout, body_timeout, max_connections_per_client)
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=http,
                           h11_max_incomplete_event_size=h11_max_incomplete_event_size, timeout_keep_alive=5,
                           timeout_graceful_shutdown=timeout_graceful_shutdown)
 
@@ -257,7 +285,7 @@ def serve(model=None, host="127.0.0.1", port=8000, api_key=None, served_model_na
           uvicorn_log_level="info", max_n=MAX_N, max_body_bytes=MAX_BODY_BYTES, max_logprobs=MAX_LOGPROBS,
           allowed_hosts=None, enable_docs=False, h11_max_incomplete_event_size=None,
           header_timeout=HEADER_TIMEOUT, dead_grace=1.0, disable_frontend_multiprocessing=None,
-          **engine_kwargs):
+          body_timeout=BODY_TIMEOUT, max_connections_per_client=MAX_CONNECTIONS_PER_CLIENT, **engine_kwargs):
     "Load `model` (default: the embedded SmolLM2-135M-Instruct) and serve the OpenAI API on `host:port`."
     import uvicorn
     core = build_engine_client(model, disable_frontend_multiprocessing, max_logprobs=max_logprobs,
@@ -270,7 +298,7 @@ def serve(model=None, host="127.0.0.1", port=8000, api_key=None, served_model_na
     hosts = allowed_hosts or default_allowed_hosts(host)
     server = OpenAIServer(core, names, api_key, max_n, max_body_bytes, max_logprobs, hosts, enable_docs)
     config = uvicorn_config(build_app(server), host, port, uvicorn_log_level, header_timeout,
-                            h11_max_incomplete_event_size)
+                            h11_max_incomplete_event_size, 5, body_timeout, max_connections_per_client)
     srv = uvicorn.Server(config)
     core.on_dead = _exit_when_dead(srv, dead_grace)
     print(f"pagednb: serving {server.names} on http://{host}:{port}/v1 (OpenAI API), /metrics, /health",

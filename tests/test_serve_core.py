@@ -262,3 +262,36 @@ def test_large_tokenize_does_not_stall(model_dir):
               f"stream's worst gap {max(gaps[1:]):.2f} s over {len(gaps)} chunks")
         assert max(health) < STALL_BOUND and max(gaps[1:]) < STALL_BOUND, (max(health), max(gaps[1:]))
     finally: s.stop()
+
+def _slow_body(port, deadline):
+    "Send a request's headers, then its declared body a byte every 0.3 s: seconds until the server closes, or None."
+    with socket.create_connection(("127.0.0.1", port)) as c:
+        c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 1000\r\n\r\n{")
+        t0 = time.monotonic()
+        c.settimeout(0.3)
+        while time.monotonic() - t0 < deadline:
+            try:
+                c.sendall(b" ")
+                if c.recv(4096) == b"": return time.monotonic() - t0
+            except socket.timeout: pass
+            except OSError: return time.monotonic() - t0
+    return None
+
+def test_slow_bodies_closed_and_connections_capped(model_dir):
+    "--body-timeout closes bodies sent a byte at a time; --max-connections-per-client answers the next one 429."
+    from concurrent.futures import ThreadPoolExecutor
+    s = Server(model_dir, "--body-timeout", "2", "--max-connections-per-client", "6")
+    try:
+        held = [socket.create_connection(("127.0.0.1", s.port)) for _ in range(6)]
+        time.sleep(0.3)
+        r = httpx.get(s.url + "/health", timeout=10)
+        assert r.status_code == 429 and r.json()["error"]["code"] == "too_many_connections", r.text
+        for c in held: c.close()
+        time.sleep(0.3)
+        assert httpx.get(s.url + "/health", timeout=10).status_code == 200
+        with ThreadPoolExecutor(4) as ex: closed = list(ex.map(lambda _: _slow_body(s.port, 10), range(4)))
+        print(f"\nslow bodies closed after {closed} s (--body-timeout 2)")
+        assert all(t is not None and t < 4 for t in closed), closed
+        assert httpx.post(s.url + "/v1/completions", json=GOOD, timeout=60).status_code == 200
+    finally: s.stop()
