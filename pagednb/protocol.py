@@ -6,9 +6,10 @@ Docs: https://pagednb.github.io/pagednb/protocol.html.md"""
 
 # %% auto #0
 __all__ = ['logger', 'MAX_N', 'MAX_PROMPTS', 'MAX_LOGPROBS', 'MAX_BODY_BYTES', 'HEADER_TIMEOUT', 'BODY_TIMEOUT',
-           'MAX_CONNECTIONS_PER_CLIENT', 'TOKENIZER_WORKERS', 'REFUSED', 'NEUTRAL', 'IGNORED', 'MAX_DEPTH', 'APIError',
-           'engine_error', 'refused_field', 'StreamOptions', 'CompletionRequest', 'TextPart', 'ChatMessage',
-           'ResponseFormat', 'ChatCompletionRequest', 'TokenizeRequest', 'DetokenizeRequest', 'field_table']
+           'MAX_CONNECTIONS_PER_CLIENT', 'SHUTDOWN_TIMEOUT', 'TOKENIZER_WORKERS', 'REFUSED', 'NEUTRAL', 'IGNORED',
+           'MAX_DEPTH', 'APIError', 'engine_error', 'refused_field', 'StreamOptions', 'CompletionRequest', 'TextPart',
+           'ChatMessage', 'ResponseFormat', 'ChatCompletionRequest', 'TokenizeRequest', 'DetokenizeRequest',
+           'field_table']
 
 # %% ../nbs/10_protocol.ipynb #proto-imports
 import logging
@@ -26,6 +27,7 @@ MAX_BODY_BYTES = 1 << 20     # 1 MiB: larger bodies get 413
 HEADER_TIMEOUT = 10.0        # seconds a connection may take to send a request's headers
 BODY_TIMEOUT = 30.0          # seconds a request may take to send its body, once its headers are in
 MAX_CONNECTIONS_PER_CLIENT = 256   # open connections one client address may hold; more are answered 429
+SHUTDOWN_TIMEOUT = 30.0      # seconds a stopping server lets its in-flight requests finish
 TOKENIZER_WORKERS = 2        # tokenisations of request bodies running at once, off the event loop
 
 def _printable(s):

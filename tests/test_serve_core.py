@@ -144,8 +144,8 @@ def test_slow_client_does_not_stall_others(model_dir):
 
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGINT", "SIGKILL"])
 def test_shutdown_leaves_no_process(model_dir, how):
-    """SIGTERM or Ctrl-C: the server stops its core and exits (uvicorn re-raises the signal once it has shut down);
-    SIGKILL: the core notices the closed pipe and exits too."""
+    """SIGTERM or Ctrl-C: the server drains, stops its core and exits 0; SIGKILL: the core notices the closed pipe and
+    exits too."""
     srv = Server(model_dir)
     try:
         core = srv.core()
@@ -294,4 +294,38 @@ def test_slow_bodies_closed_and_connections_capped(model_dir):
         print(f"\nslow bodies closed after {closed} s (--body-timeout 2)")
         assert all(t is not None and t < 4 for t in closed), closed
         assert httpx.post(s.url + "/v1/completions", json=GOOD, timeout=60).status_code == 200
+    finally: s.stop()
+
+def _stream_tokens(url, started):
+    "Stream a 120-token completion; the number of text chunks before [DONE] and the last finish_reason."
+    chunks, finish = 0, None
+    with httpx.stream("POST", url + "/v1/completions", json=dict(GOOD, max_tokens=120, stream=True), timeout=120) as r:
+        for line in r.iter_lines():
+            started.set()
+            if line.startswith("data: {"):
+                c = json.loads(line[6:])["choices"][0]
+                chunks, finish = chunks + 1, c["finish_reason"] or finish
+            if line == "data: [DONE]": return chunks, finish
+    return chunks, "cut"
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT"])
+def test_graceful_shutdown_drains_streams(model_dir, how):
+    "A stop signal during 4 streams: each finishes whole, a new request gets 503, the server exits 0, no process left."
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    s = Server(model_dir, "--shutdown-timeout", "60")
+    try:
+        with ThreadPoolExecutor(4) as ex:
+            started = [threading.Event() for _ in range(4)]
+            streams = [ex.submit(_stream_tokens, s.url, e) for e in started]
+            for e in started: assert e.wait(60)
+            s.p.send_signal(getattr(signal, how))
+            time.sleep(0.5)
+            late = httpx.post(s.url + "/v1/completions", json=GOOD, timeout=30)
+            done = [f.result() for f in streams]
+        assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down", late.text
+        assert done == [(120, "length")] * 4, done
+        assert s.p.wait(60) == 0, s.output()
+        assert left_behind(s.family) == [], [p.cmdline() for p in s.family if p.is_running()]
+        print(f"\n{how}: 4 in-flight streams finished whole, a new request got 503, exit status 0")
     finally: s.stop()
