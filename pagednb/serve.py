@@ -19,7 +19,7 @@ from .engine import EngineDeadError
 from .protocol import (APIError, MAX_N, MAX_LOGPROBS, MAX_BODY_BYTES, HEADER_TIMEOUT, BODY_TIMEOUT,
                               MAX_CONNECTIONS_PER_CLIENT, SHUTDOWN_TIMEOUT, CompletionRequest,
                               ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
-from .core_client import build_engine_client
+from .core_client import build_engine_client, HEARTBEAT_TIMEOUT
 from .serving import OpenAIServer, ClientDisconnected
 from . import __version__
 
@@ -312,11 +312,11 @@ def serve(model=None, host="127.0.0.1", port=8000, api_key=None, served_model_na
           allowed_hosts=None, enable_docs=False, h11_max_incomplete_event_size=None,
           header_timeout=HEADER_TIMEOUT, dead_grace=1.0, disable_frontend_multiprocessing=None,
           body_timeout=BODY_TIMEOUT, max_connections_per_client=MAX_CONNECTIONS_PER_CLIENT,
-          shutdown_timeout=SHUTDOWN_TIMEOUT, **engine_kwargs):
+          shutdown_timeout=SHUTDOWN_TIMEOUT, heartbeat_timeout=HEARTBEAT_TIMEOUT, **engine_kwargs):
     "Load `model` (default: the embedded SmolLM2-135M-Instruct) and serve the OpenAI API on `host:port`."
     import uvicorn
-    core = build_engine_client(model, disable_frontend_multiprocessing, max_logprobs=max_logprobs,
-                               **engine_kwargs)
+    core = build_engine_client(model, disable_frontend_multiprocessing, heartbeat_timeout=heartbeat_timeout,
+                               max_logprobs=max_logprobs, **engine_kwargs)
     if core.engine.tokenizer is None:
         core.shutdown()
         raise ValueError(f"{model} has no tokenizer (tokenizer.json or tokenizer_config.json): pagednb serve "

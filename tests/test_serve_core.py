@@ -3,7 +3,7 @@
 
 A tiny random-weight Llama with SmolLM2's tokenizer keeps the steps cheap; the servers are real `pagednb serve`
 processes (the default mode: an API server process and an engine core process)."""
-import asyncio, json, os, signal, socket, subprocess, sys, tempfile, time
+import asyncio, contextlib, json, os, signal, socket, subprocess, sys, tempfile, time
 import httpx, psutil, pytest
 from pagednb.bench import _free_port
 
@@ -329,3 +329,35 @@ def test_graceful_shutdown_drains_streams(model_dir, how):
         assert left_behind(s.family) == [], [p.cmdline() for p in s.family if p.is_running()]
         print(f"\n{how}: 4 in-flight streams finished whole, a new request got 503, exit status 0")
     finally: s.stop()
+
+def test_stopped_core_is_noticed_and_recovers(model_dir):
+    """SIGSTOP on the engine core: within --heartbeat-timeout the waiting stream ends with a clear 503 error, /health
+    says 503 and new requests are refused; after SIGCONT /health is 200 again and requests are served."""
+    s = Server(model_dir, "--heartbeat-timeout", "2")
+    try:
+        core = s.core()
+        body = dict(GOOD, max_tokens=400, stream=True)
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            core.suspend()
+            t0 = time.monotonic()
+            rest = [l for l in lines if l.startswith("data: ")]
+            waited = time.monotonic() - t0
+        err = json.loads(rest[-2][6:])["error"]
+        assert rest[-1] == "data: [DONE]" and err["code"] == "engine_core_unresponsive", rest[-3:]
+        assert waited < 6, waited
+        assert httpx.get(s.url + "/health", timeout=10).status_code == 503
+        late = httpx.post(s.url + "/v1/completions", json=GOOD, timeout=10)
+        assert late.status_code == 503 and late.json()["error"]["code"] == "engine_core_unresponsive", late.text
+        core.resume()
+        t1 = time.monotonic()
+        while httpx.get(s.url + "/health", timeout=10).status_code != 200:
+            assert time.monotonic() - t1 < 10, "the core did not come back"
+            time.sleep(0.2)
+        back = time.monotonic() - t1
+        assert httpx.post(s.url + "/v1/completions", json=GOOD, timeout=60).status_code == 200
+        print(f"\nSIGSTOP: the stream failed after {waited:.1f} s (bound 2 s); SIGCONT: /health 200 again after {back:.1f} s")
+    finally:
+        with contextlib.suppress(Exception): s.core().resume()
+        s.stop()
