@@ -215,7 +215,7 @@ def test_serve_hands_max_logprobs_to_the_engine(monkeypatch):
         return NoTokenizer()
     monkeypatch.setattr(pagednb.serve, "build_engine_client", client)
     with pytest.raises(ValueError, match="no tokenizer"): pagednb.serve.serve("tiny", max_logprobs=7, seed=3)
-    assert seen == {"max_logprobs": 7, "seed": 3, "shutdown": True}
+    assert seen == {"max_logprobs": 7, "seed": 3, "heartbeat_timeout": 10.0, "shutdown": True}
 
 def test_engine_and_server_agree_on_max_logprobs(model_dir):
     "`--max-logprobs 30` above the engine's default of 20: the core takes 25 logprobs as the server does."
