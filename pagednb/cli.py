@@ -14,6 +14,8 @@ from .sampling import SamplingParams
 from .engine import LLM, EngineDeadError
 from .engine_args import parse_size, positive_int, add_cli_args, from_cli_args
 from .serve import serve
+from .core_client import HEARTBEAT_TIMEOUT
+from .protocol import HEADER_TIMEOUT, BODY_TIMEOUT, MAX_CONNECTIONS_PER_CLIENT, SHUTDOWN_TIMEOUT
 from . import bench_cli, vllm_read
 
 # %% ../nbs/11_cli.ipynb #2908cc62
@@ -147,6 +149,23 @@ def _serve_limits(s):
     s.add_argument("--h11-max-incomplete-event-size", type=parse_size, default=None,
                    help="most bytes of unfinished request headers h11 buffers (default: uvicorn's, 16KiB)")
     s.add_argument("--uvicorn-log-level", default="info", choices=_LEVELS, help="uvicorn's log level (default info)")
+    _serve_timeouts(s)
+
+def _serve_timeouts(s):
+    "The flags that bound what one connection may hold: header and body timeouts, connections per client."
+    s.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT,
+                   help=f"seconds a request may take to send its headers, else closed (default {HEADER_TIMEOUT:g})")
+    s.add_argument("--body-timeout", type=float, default=BODY_TIMEOUT,
+                   help=f"seconds a request may take to send its body after its headers (default {BODY_TIMEOUT:g})")
+    s.add_argument("--max-connections-per-client", type=positive_int, default=MAX_CONNECTIONS_PER_CLIENT,
+                   help="open connections one client address may hold; more get 429 (default "
+                        f"{MAX_CONNECTIONS_PER_CLIENT})")
+    s.add_argument("--heartbeat-timeout", type=float, default=HEARTBEAT_TIMEOUT,
+                   help="seconds without a heartbeat from the engine core before /health says 503 and waiting requests "
+                        f"fail (default {HEARTBEAT_TIMEOUT:g})")
+    s.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT,
+                   help="on SIGTERM or Ctrl-C, seconds the requests in flight may take to finish while new ones get "
+                        f"503 (default {SHUTDOWN_TIMEOUT:g})")
 
 # %% ../nbs/11_cli.ipynb #a81b58ed
 def _generate_parser(sub):
@@ -194,9 +213,11 @@ def _serve(a):
     keys = a.api_key or [k for k in env_keys if k][:1]
     kw = engine_kwargs(a, skip=("max_logprobs",))          # the engine's limit is the server's too
     limits = (a.max_n, a.max_request_body_bytes, a.max_logprobs, a.allowed_hosts, not a.disable_fastapi_docs)
+    conn = dict(body_timeout=a.body_timeout, max_connections_per_client=a.max_connections_per_client,
+                shutdown_timeout=a.shutdown_timeout, heartbeat_timeout=a.heartbeat_timeout)
     try: serve(a.model, a.host, a.port, keys, a.served_model_name, a.uvicorn_log_level, *limits,
-               a.h11_max_incomplete_event_size, disable_frontend_multiprocessing=a.disable_frontend_multiprocessing,
-               **kw)
+               a.h11_max_incomplete_event_size, a.header_timeout,
+               disable_frontend_multiprocessing=a.disable_frontend_multiprocessing, **conn, **kw)
     except EngineDeadError as e: sys.exit(f"pagednb serve: error: {e}")
     except KeyboardInterrupt: sys.exit(130)       # Ctrl-C: uvicorn shut down in order, then raised it again
 

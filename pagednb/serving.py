@@ -14,8 +14,8 @@ from fastapi.responses import StreamingResponse
 from .sampling import SamplingParams
 from .engine import stream_deltas
 from .model import EMBEDDED_NAME
-from .protocol import (APIError, MAX_N, MAX_PROMPTS, MAX_LOGPROBS, MAX_BODY_BYTES, CompletionRequest,
-                              ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
+from .protocol import (APIError, TOKENIZER_WORKERS, MAX_N, MAX_PROMPTS, MAX_LOGPROBS, MAX_BODY_BYTES,
+                              CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest)
 from .metrics import Exposition, _vllm_metrics, _pagednb_metrics
 from .core import AsyncEngine, RequestStream
 from .core_client import AsyncMPClient
@@ -27,7 +27,7 @@ class OpenAIServer:
     "What the HTTP handlers share: the engine (a thread or a core process), the served names, the limits."
     def __init__(self, engine, served_model_names=None, api_key=None, max_n=MAX_N,
                  max_body_bytes=MAX_BODY_BYTES, max_logprobs=MAX_LOGPROBS, allowed_hosts=None,
-                 enable_docs=False):
+                 enable_docs=False, tokenizer_workers=TOKENIZER_WORKERS):
         self.aengine = engine if isinstance(engine, (AsyncEngine, AsyncMPClient)) else AsyncEngine(engine)
         self.engine = engine = self.aengine.engine     # an `LLMEngine`, or the `EngineConfigView` of a core's
         names = served_model_names or [EMBEDDED_NAME]
@@ -38,6 +38,7 @@ class OpenAIServer:
         self.tokenizer = copy.deepcopy(engine.tokenizer)
         self.vocab_size = engine.model_config.vocab_size
         self.max_model_len, self.created = engine.sched_config.max_model_len, int(time.time())
+        self.workers = asyncio.Semaphore(tokenizer_workers)      # tokenisations running off the event loop
 
 # %% ../nbs/10d_serving.ipynb #oais-checks
 @patch
@@ -54,6 +55,18 @@ def need_tokenizer(self: OpenAIServer, what, param=None):
         raise APIError(f"this model has no tokenizer, so {what} cannot be used: send prompts as token ids",
                        param=param)
     return self.tokenizer
+
+# %% ../nbs/10d_serving.ipynb #09f74a65
+@patch(as_prop=True)
+def logprobs_cap(self: OpenAIServer):
+    "The most logprobs per token a request may ask for: `max_logprobs`, or the vocabulary when it is -1."
+    return self.vocab_size if self.max_logprobs == -1 else self.max_logprobs
+
+# %% ../nbs/10d_serving.ipynb #42d4a474
+@patch
+async def off_loop(self: OpenAIServer, fn, *args):
+    "`fn(*args)` in a worker thread, at most `tokenizer_workers` at once, so the event loop keeps serving."
+    async with self.workers: return await asyncio.to_thread(fn, *args)
 
 # %% ../nbs/10d_serving.ipynb #3893cdc4
 def _param_of(err):
@@ -139,10 +152,9 @@ def _check_completion_fields(self: OpenAIServer, r: CompletionRequest):
     if r.suffix is not None: raise APIError("suffix is not supported by pagednb", param="suffix")
     if r.best_of is not None and r.best_of != r.n:
         raise APIError("best_of is not supported by pagednb (only best_of == n)", param="best_of")
-    if r.logprobs is not None and not 0 <= r.logprobs <= self.max_logprobs:
-        raise APIError(f"logprobs={r.logprobs} is out of range: ask for 0 to {self.max_logprobs} "
-                       "alternatives per "
-                       "token", param="logprobs")
+    if r.logprobs is not None and not 0 <= r.logprobs <= self.logprobs_cap:
+        raise APIError(f"logprobs={r.logprobs} is out of range: ask for 0 to {self.logprobs_cap} alternatives "
+                       "per token", param="logprobs")
     if r.logprobs is not None: self.need_tokenizer("logprobs", "logprobs")
 
 # %% ../nbs/10d_serving.ipynb #600ba453-1
@@ -213,8 +225,8 @@ def prepare_chat(self: OpenAIServer, r: ChatCompletionRequest):
     k = r.top_logprobs
     if k is not None and not r.logprobs:
         raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
-    if k is not None and not 0 <= k <= self.max_logprobs:
-        raise APIError(f"top_logprobs={k} is out of range: ask for 0 to {self.max_logprobs}",
+    if k is not None and not 0 <= k <= self.logprobs_cap:
+        raise APIError(f"top_logprobs={k} is out of range: ask for 0 to {self.logprobs_cap}",
                        param="top_logprobs")
     text = self.render_chat(r)
     ids = self.tokenizer(text, add_special_tokens=r.add_special_tokens)["input_ids"]
@@ -342,7 +354,7 @@ def _head(self: OpenAIServer, rid, obj, r):
 @patch
 async def completion_response(self: OpenAIServer, r: CompletionRequest, request=None):
     "Serve one `/v1/completions` request: a JSON body, or an SSE stream."
-    rid, items = self.prepare_completion(r)
+    rid, items = await self.off_loop(self.prepare_completion, r)
     stream, head = self.aengine.submit(items), self._head(rid, "text_completion", r)
     base = {eid: k*r.n for k, (eid, *_) in enumerate(items)}      # choice index of each prompt's first output
     if r.stream:
@@ -367,7 +379,7 @@ async def completion_response(self: OpenAIServer, r: CompletionRequest, request=
 @patch
 async def chat_response(self: OpenAIServer, r: ChatCompletionRequest, request=None):
     "Serve one `/v1/chat/completions` request: a JSON body, or an SSE stream of `chat.completion.chunk`s."
-    rid, items = self.prepare_chat(r)
+    rid, items = await self.off_loop(self.prepare_chat, r)
     stream, k = self.aengine.submit(items), r.top_logprobs or 0
     if r.stream:
         def choice(d, sent):

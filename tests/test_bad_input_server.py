@@ -117,6 +117,12 @@ CASES = [  # (what, path, request kwargs, status, param)
     ("unknown route", "/v1/nothing", dict(json={}), 404, None),
     ("detokenize out of vocabulary", "/detokenize", dict(json={"tokens": [1, 10**9]}), 400, "tokens"),
     ("tokenize neither prompt nor messages", "/tokenize", dict(json={}), 400, "prompt"),
+    ("prompt of no accepted type", "/v1/completions", dict(json={"prompt": 5}), 400, "prompt"),
+    ("message content of no accepted type", "/v1/chat/completions", dict(json={"messages": [{"role": "user", "content": 5}]}), 400,
+     "messages.0.content"),
+    ("5,000-digit logit_bias key", "/v1/completions", dict(json={"prompt": "hi", "logit_bias": {"9" * 5000: 1}}), 400, "logit_bias"),
+    ("deeply nested chat_template_kwargs", "/v1/chat/completions", raw('{"messages": [{"role": "user", "content": "hi"}], '
+     '"chat_template_kwargs": {"x": ' + "[" * 200 + "]" * 200 + "}}"), 400, "chat_template_kwargs"),
 ]
 
 def test_bad_inputs_one_by_one(server, reference):
@@ -138,11 +144,58 @@ def test_bad_inputs_one_by_one(server, reference):
             err = r.json()["error"]
             assert set(err) == {"message", "type", "param", "code"} and err["message"], (what, err)
             assert err["param"] == param, (what, err)
+            assert "Traceback" not in err["message"] and "sys.set_int_max_str_digits" not in err["message"], (what, err)
             tally["clear"] += 1
             assert httpx.get(server + "/health").status_code == 200, what
     print(f"\nbad inputs: {tally['tried']} cases tried, {tally['clear']} clear errors, {tally['server_errors']} 500s")
     assert tally == dict(tried=len(CASES), clear=len(CASES), server_errors=0)
     check_healthy(server, reference)
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+FN = {"type": "function", "function": {"name": "f", "parameters": {}}}
+REFUSED = [  # (path, field, value): each asks for what pagednb does not do, and vLLM serves
+    *[(path, f, v) for path in ("/v1/completions", "/v1/chat/completions") for f, v in (
+        ("guided_json", {"type": "object"}), ("guided_regex", "[a-z]+"), ("guided_choice", ["yes", "no"]),
+        ("guided_grammar", "root ::= 'a'"), ("structured_outputs", {"json": {}}), ("guided_decoding_backend", "xgrammar"),
+        ("response_format", {"type": "json_object"}))],
+    *[("/v1/chat/completions", f, v) for f, v in (
+        ("tool_choice", "required"), ("tool_choice", {"type": "function", "function": {"name": "f"}}), ("functions", [FN["function"]]),
+        ("function_call", "auto"), ("chat_template", "{{ messages }}"), ("mm_processor_kwargs", {"a": 1}), ("documents", [{"text": "x"}]),
+        ("reasoning_effort", "high"), ("modalities", ["text", "audio"]), ("audio", {"voice": "alloy"}),
+        ("prediction", {"type": "content", "content": "x"}), ("web_search_options", {}), ("response_format", {"type": "json_schema"}))],
+]
+HARMLESS = dict(store=True, metadata={"a": "b"}, service_tier="auto", user="u-1")
+
+def _body(path, extra): return {**(CHAT if "chat" in path else {"prompt": "hi", "max_tokens": 2}), **extra}
+
+def test_refused_fields_are_400_naming_them(server):
+    "No silently ignored field: each of these is a 400 whose param and message name it and say vLLM serves it."
+    for path, field, value in REFUSED:
+        r = post(server, path, json=_body(path, {field: value}))
+        err = r.json().get("error", {})
+        assert r.status_code == 400 and err.get("param") == field and field in err["message"], (path, field, r.text[:300])
+        assert "vLLM serves it" in err["message"], err
+    print(f"\nrefused fields: {len(REFUSED)} requests, each a 400 naming its field")
+
+def test_harmless_fields_are_warned(server, caplog):
+    "Fields that change nothing about the output (store, metadata, service_tier, user): 200, and one warning naming them."
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="pagednb.serve"):
+            r = post(server, path, json=_body(path, {**HARMLESS, "web_search_options": None, "use_beam_search": False}))
+        assert r.status_code == 200, r.text[:300]
+        warned = [m for m in caplog.messages if "change nothing about the output" in m]
+        assert len(warned) == 1 and all(k in warned[0] for k in HARMLESS), caplog.messages
+
+def test_no_logprobs_limit(parts):
+    "max_logprobs=-1 is vLLM's 'no limit': the server's own range check lets 25 alternatives through."
+    from pagednb.serve import OpenAIServer, BackgroundServer, build_app
+    srv = OpenAIServer(make_engine(parts, max_logprobs=-1), "tiny", max_logprobs=-1)
+    with BackgroundServer(build_app(srv)) as bg:
+        r = httpx.post(bg.url + "/v1/completions", json={**GOOD, "logprobs": 25}, timeout=60)
+        c = httpx.post(bg.url + "/v1/chat/completions", json={**CHAT, "logprobs": True, "top_logprobs": 25}, timeout=60)
+    assert r.status_code == 200 and len(r.json()["choices"][0]["logprobs"]["top_logprobs"][0]) >= 25, r.text[:300]
+    assert c.status_code == 200 and len(c.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 25, c.text[:300]
 
 def test_wrong_method_and_not_found_are_openai_json(server):
     for r in (httpx.get(server + "/v1/completions", headers=AUTH), httpx.delete(server + "/health"), httpx.get(server + "/nope")):

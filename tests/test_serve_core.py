@@ -3,7 +3,7 @@
 
 A tiny random-weight Llama with SmolLM2's tokenizer keeps the steps cheap; the servers are real `pagednb serve`
 processes (the default mode: an API server process and an engine core process)."""
-import asyncio, json, os, signal, socket, subprocess, sys, tempfile, time
+import asyncio, contextlib, json, os, signal, socket, subprocess, sys, tempfile, time
 import httpx, psutil, pytest
 from pagednb.bench_serving import _free_port
 
@@ -144,8 +144,8 @@ def test_slow_client_does_not_stall_others(model_dir):
 
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGINT", "SIGKILL"])
 def test_shutdown_leaves_no_process(model_dir, how):
-    """SIGTERM or Ctrl-C: the server stops its core and exits (uvicorn re-raises the signal once it has shut down);
-    SIGKILL: the core notices the closed pipe and exits too."""
+    """SIGTERM or Ctrl-C: the server drains, stops its core and exits 0; SIGKILL: the core notices the closed pipe and
+    exits too."""
     srv = Server(model_dir)
     try:
         core = srv.core()
@@ -215,7 +215,7 @@ def test_serve_hands_max_logprobs_to_the_engine(monkeypatch):
         return NoTokenizer()
     monkeypatch.setattr(pagednb.serve, "build_engine_client", client)
     with pytest.raises(ValueError, match="no tokenizer"): pagednb.serve.serve("tiny", max_logprobs=7, seed=3)
-    assert seen == {"max_logprobs": 7, "seed": 3, "shutdown": True}
+    assert seen == {"max_logprobs": 7, "seed": 3, "heartbeat_timeout": 10.0, "shutdown": True}
 
 def test_engine_and_server_agree_on_max_logprobs(model_dir):
     "`--max-logprobs 30` above the engine's default of 20: the core takes 25 logprobs as the server does."
@@ -227,3 +227,137 @@ def test_engine_and_server_agree_on_max_logprobs(model_dir):
         r = httpx.post(srv.url + "/v1/completions", json={**GOOD, "logprobs": 31}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
     finally: srv.stop()
+
+BIG = "hello world, the quick brown fox. " * 28_000                   # 952 KB: a body just under the 1 MiB cap
+STALL_BOUND = 2.0   # seconds: the longest a /health answer or a stream's next chunk may take while big bodies tokenise
+
+def _timed_stream(url, gaps):
+    "Stream a long completion, recording the gap before each chunk."
+    body = dict(GOOD, max_tokens=300, stream=True)
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+        t = time.monotonic()
+        for line in r.iter_lines():
+            if line.startswith("data: "): gaps.append(time.monotonic() - t); t = time.monotonic()
+
+def test_large_tokenize_does_not_stall(model_dir):
+    "Eight parallel ~1 MB /tokenize requests run off the event loop: /health and a running stream keep being served."
+    from concurrent.futures import ThreadPoolExecutor
+    s = Server(model_dir)
+    try:
+        gaps, health = [], []
+        with ThreadPoolExecutor(10) as ex:
+            stream = ex.submit(_timed_stream, s.url, gaps)
+            while not gaps: time.sleep(0.01)
+            t0 = time.monotonic()
+            big = [ex.submit(httpx.post, s.url + "/tokenize", json={"prompt": BIG}, timeout=120) for _ in range(8)]
+            while not all(f.done() for f in big):
+                t = time.monotonic()
+                assert httpx.get(s.url + "/health", timeout=30).status_code == 200
+                health.append(time.monotonic() - t)
+                time.sleep(0.05)
+            took = time.monotonic() - t0
+            assert all(f.result().status_code == 200 and f.result().json()["count"] > 200_000 for f in big)
+            stream.result()
+        print(f"\n8 x 1 MB /tokenize in {took:.1f} s: /health worst {max(health):.2f} s over {len(health)} probes, "
+              f"stream's worst gap {max(gaps[1:]):.2f} s over {len(gaps)} chunks")
+        assert max(health) < STALL_BOUND and max(gaps[1:]) < STALL_BOUND, (max(health), max(gaps[1:]))
+    finally: s.stop()
+
+def _slow_body(port, deadline):
+    "Send a request's headers, then its declared body a byte every 0.3 s: seconds until the server closes, or None."
+    with socket.create_connection(("127.0.0.1", port)) as c:
+        c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 1000\r\n\r\n{")
+        t0 = time.monotonic()
+        c.settimeout(0.3)
+        while time.monotonic() - t0 < deadline:
+            try:
+                c.sendall(b" ")
+                if c.recv(4096) == b"": return time.monotonic() - t0
+            except socket.timeout: pass
+            except OSError: return time.monotonic() - t0
+    return None
+
+def test_slow_bodies_closed_and_connections_capped(model_dir):
+    "--body-timeout closes bodies sent a byte at a time; --max-connections-per-client answers the next one 429."
+    from concurrent.futures import ThreadPoolExecutor
+    s = Server(model_dir, "--body-timeout", "2", "--max-connections-per-client", "6")
+    try:
+        held = [socket.create_connection(("127.0.0.1", s.port)) for _ in range(6)]
+        time.sleep(0.3)
+        r = httpx.get(s.url + "/health", timeout=10)
+        assert r.status_code == 429 and r.json()["error"]["code"] == "too_many_connections", r.text
+        for c in held: c.close()
+        time.sleep(0.3)
+        assert httpx.get(s.url + "/health", timeout=10).status_code == 200
+        with ThreadPoolExecutor(4) as ex: closed = list(ex.map(lambda _: _slow_body(s.port, 10), range(4)))
+        print(f"\nslow bodies closed after {closed} s (--body-timeout 2)")
+        assert all(t is not None and t < 4 for t in closed), closed
+        assert httpx.post(s.url + "/v1/completions", json=GOOD, timeout=60).status_code == 200
+    finally: s.stop()
+
+def _stream_tokens(url, started):
+    "Stream a 120-token completion; the number of text chunks before [DONE] and the last finish_reason."
+    chunks, finish = 0, None
+    with httpx.stream("POST", url + "/v1/completions", json=dict(GOOD, max_tokens=120, stream=True), timeout=120) as r:
+        for line in r.iter_lines():
+            started.set()
+            if line.startswith("data: {"):
+                c = json.loads(line[6:])["choices"][0]
+                chunks, finish = chunks + 1, c["finish_reason"] or finish
+            if line == "data: [DONE]": return chunks, finish
+    return chunks, "cut"
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT"])
+def test_graceful_shutdown_drains_streams(model_dir, how):
+    "A stop signal during 4 streams: each finishes whole, a new request gets 503, the server exits 0, no process left."
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+    s = Server(model_dir, "--shutdown-timeout", "60")
+    try:
+        with ThreadPoolExecutor(4) as ex:
+            started = [threading.Event() for _ in range(4)]
+            streams = [ex.submit(_stream_tokens, s.url, e) for e in started]
+            for e in started: assert e.wait(60)
+            s.p.send_signal(getattr(signal, how))
+            time.sleep(0.5)
+            late = httpx.post(s.url + "/v1/completions", json=GOOD, timeout=30)
+            done = [f.result() for f in streams]
+        assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down", late.text
+        assert done == [(120, "length")] * 4, done
+        assert s.p.wait(60) == 0, s.output()
+        assert left_behind(s.family) == [], [p.cmdline() for p in s.family if p.is_running()]
+        print(f"\n{how}: 4 in-flight streams finished whole, a new request got 503, exit status 0")
+    finally: s.stop()
+
+def test_stopped_core_is_noticed_and_recovers(model_dir):
+    """SIGSTOP on the engine core: within --heartbeat-timeout the waiting stream ends with a clear 503 error, /health
+    says 503 and new requests are refused; after SIGCONT /health is 200 again and requests are served."""
+    s = Server(model_dir, "--heartbeat-timeout", "2")
+    try:
+        core = s.core()
+        body = dict(GOOD, max_tokens=400, stream=True)
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            core.suspend()
+            t0 = time.monotonic()
+            rest = [l for l in lines if l.startswith("data: ")]
+            waited = time.monotonic() - t0
+        err = json.loads(rest[-2][6:])["error"]
+        assert rest[-1] == "data: [DONE]" and err["code"] == "engine_core_unresponsive", rest[-3:]
+        assert waited < 6, waited
+        assert httpx.get(s.url + "/health", timeout=10).status_code == 503
+        late = httpx.post(s.url + "/v1/completions", json=GOOD, timeout=10)
+        assert late.status_code == 503 and late.json()["error"]["code"] == "engine_core_unresponsive", late.text
+        core.resume()
+        t1 = time.monotonic()
+        while httpx.get(s.url + "/health", timeout=10).status_code != 200:
+            assert time.monotonic() - t1 < 10, "the core did not come back"
+            time.sleep(0.2)
+        back = time.monotonic() - t1
+        assert httpx.post(s.url + "/v1/completions", json=GOOD, timeout=60).status_code == 200
+        print(f"\nSIGSTOP: the stream failed after {waited:.1f} s (bound 2 s); SIGCONT: /health 200 again after {back:.1f} s")
+    finally:
+        with contextlib.suppress(Exception): s.core().resume()
+        s.stop()
