@@ -56,19 +56,21 @@ class PoolMachine(RuleBasedStateMachine):
         self.next_id += 1
         return self.next_id
 
+    def _state(self, bm): return state(bm)
+
     def _allocate(self, seq, n, hit=(), la=0):
         "allocate; on refusal check that nothing changed and that can_allocate agreed. Returns the Allocation or None."
         bm, can = self.bm, self.bm.can_allocate(seq, n, hit, la)
-        before = state(bm)
+        before = self._state(bm)
         try: alloc = bm.allocate(seq, n, hit, la)
         except NoFreeBlocksError:
             assert not can, "can_allocate said yes but allocate refused"
-            assert state(bm) == before, "a refused allocation changed the pool"
+            assert self._state(bm) == before, "a refused allocation changed the pool"
             event("allocation refused")
             return None
         if alloc.copies: event("copy-on-write copy")
         need = seq.num_computed_tokens + n + la
-        assert len(seq.block_table) * bm.block_size >= need
+        assert all(len(t) * bm.block_size >= need for t in seq.block_tables)
         return alloc
 
     def _compute(self, seq, n, alloc, data):
@@ -215,17 +217,7 @@ class HybridPoolMachine(PoolMachine):
         self.bm = make_block_manager(nb, bs, enable_prefix_caching=self.PREFIX, watermark=0.0, windows=windows)
         self.live, self.kv, self.next_id = {}, {}, 0
 
-    def _allocate(self, seq, n, hit=(), la=0):
-        bm, can = self.bm, self.bm.can_allocate(seq, n, hit, la)
-        before = group_state(bm)
-        try: alloc = bm.allocate(seq, n, hit, la)
-        except NoFreeBlocksError:
-            assert not can, "can_allocate said yes but allocate refused"
-            assert group_state(bm) == before, "a refused allocation changed the pool"
-            return None
-        need = seq.num_computed_tokens + n + la
-        assert all(len(t) * bm.block_size >= need for t in seq.block_tables)
-        return alloc
+    def _state(self, bm): return group_state(bm)
 
     def _compute(self, seq, n, alloc, data):
         "Write K/V at every group's slots, advance, register, give back what left each window."
