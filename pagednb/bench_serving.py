@@ -12,7 +12,7 @@ __all__ = ['GUIDELLM_ENV', 'GUIDELLM_PROFILES', 'GUIDELLM_APIS', 'GUIDELLM_SEED'
 
 # %% ../nbs/09e_bench_serving.ipynb #bs-imports
 import asyncio, itertools, json, os, subprocess, sys, tempfile, time
-from .bench import VLLM_ENV, _load, _table, resolve_model_path
+from .bench import VLLM_ENV, _load, _table, resolve_model_path, venv_tool
 
 # %% ../nbs/09e_bench_serving.ipynb #af55f2e9
 GUIDELLM_ENV = "PAGEDNB_GUIDELLM"
@@ -22,12 +22,7 @@ def find_guidellm(path=None):
     import shutil
     path = path or os.environ.get(GUIDELLM_ENV)
     if not path: return shutil.which("guidellm")
-    path = os.path.expanduser(path)
-    if os.path.isdir(path): path = os.path.join(path, "bin", "guidellm")
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"--guidellm / ${GUIDELLM_ENV}: {path} does not exist; "
-                                "give the guidellm of a venv with guidellm")
-    return path
+    return venv_tool(path, "guidellm", "--guidellm", GUIDELLM_ENV, "the guidellm of a venv with guidellm")
 
 # %% ../nbs/09e_bench_serving.ipynb #52c1dc44
 GUIDELLM_PROFILES = dict(
