@@ -29,6 +29,13 @@ PAGEDNB_ONLY = {
         "--max-request-body-bytes": "answers 413 to oversized bodies before parsing them; vLLM leaves this to a proxy",
         "--allowed-hosts": "checks the Host header against the bound address (DNS rebinding): a keyless local server "
                            "cannot be driven by a web page; vLLM has no Host check",
+        "--header-timeout": "closes a connection whose request headers have not all arrived in time (slow-loris "
+                            "clients); vLLM leaves this to uvicorn's keep-alive and a proxy",
+        "--body-timeout": "closes a connection whose request body has not all arrived in time; vLLM has no body deadline",
+        "--max-connections-per-client": "answers 429 past this many open connections from one address; vLLM has no "
+                                        "per-client cap",
+        "--heartbeat-timeout": "fails open streams and /health when the engine core stops answering pings for this "
+                               "long; vLLM's core has no heartbeat flag",
     },
     "CompletionRequest": {
         "best_of": "OpenAI's legacy completions field, dropped by vLLM 0.32; pagednb accepts best_of == n so old clients work",
