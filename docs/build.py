@@ -6,6 +6,7 @@ interactive plotly figures and saved widget state, the API reference, search; no
     .venv/bin/python docs/build.py --force      # also re-execute notebooks whose last run is still valid
     .venv/bin/python docs/build.py 02 kv_cache  # only the lessons whose file names contain one of these
     .venv/bin/python docs/build.py --reuse      # a layout check: keep every notebook's last run even if the package changed
+    .venv/bin/python docs/build.py --execute-only --jobs 1 00_kv_cache.ipynb   # run one lesson as the tests do, keep the run
 
 What it does, all under docs/_build (the notebooks in nbs/ are only read):
 1. nbdev's doc processors (the ones `nbdev-proc-nbs` runs) on a copy of each notebook: `#| hide` cells go,
@@ -127,7 +128,12 @@ def _kernelspec(build: Path) -> Path:
     spec = dict(argv=[sys.executable, "-Xfrozen_modules=off", "-m", "ipykernel_launcher", "-f", "{connection_file}",
                       "--IPKernelApp.log_level=ERROR"],          # not the "TCP without encryption" notice; it is loopback
                 display_name="pagednb docs (this venv)", language="python", metadata={"debugger": False})
-    _write(d/"kernel.json", json.dumps(spec, indent=1))
+    text = json.dumps(spec, indent=1)
+    if not (d/"kernel.json").exists() or (d/"kernel.json").read_text(encoding="utf-8") != text:
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = d/f"kernel.json.{os.getpid()}"
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, d/"kernel.json")          # atomic: notebooks executed by parallel builds share it
     return build/"jupyter"
 
 def _execute(job):
@@ -147,18 +153,24 @@ def _execute(job):
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
+def _executed(jobs, n_workers):
+    "Each job's `_execute` result as it finishes: in this process for one at a time, else in worker processes."
+    if n_workers == 1:
+        yield from map(_execute, jobs)
+        return
+    import multiprocessing as mp
+    with ProcessPoolExecutor(max_workers=max(1, min(n_workers, len(jobs))), mp_context=mp.get_context("spawn")) as ex:
+        for fut in as_completed([ex.submit(_execute, j) for j in jobs]): yield fut.result()
+
 def execute_all(jobs, n_workers, on_done):
     """Execute the (name, nb json, cwd, timeout) jobs, `n_workers` at a time, passing each clean run to `on_done`;
     then raise naming every notebook that failed."""
     errors = []
     if not jobs: return
-    import multiprocessing as mp
-    with ProcessPoolExecutor(max_workers=max(1, min(n_workers, len(jobs))), mp_context=mp.get_context("spawn")) as ex:
-        for fut in as_completed([ex.submit(_execute, j) for j in jobs]):
-            name, out, err, secs = fut.result()
-            _log(f"executed {name} in {secs:.0f} s" + (" -- FAILED" if err else ""))
-            if err: errors.append(f"--- {name}:\n" + _ANSI.sub("", err)[-4000:])
-            else: on_done(name, out)
+    for name, out, err, secs in _executed(jobs, n_workers):
+        _log(f"executed {name} in {secs:.0f} s" + (" -- FAILED" if err else ""))
+        if err: errors.append(f"--- {name}:\n" + _ANSI.sub("", err)[-4000:])
+        else: on_done(name, out)
     if errors: raise BuildError("notebooks failed to execute (the docs show only clean runs):\n" + "\n".join(errors))
 
 # ------------------------------------------------------------------------------ 3. after execution
@@ -486,7 +498,8 @@ def check_offline(html_dir) -> list:
 
 # ------------------------------------------------------------------------------ the build
 
-def build(force=False, only=(), nbs=None, out=None, build_dir=None, jobs=None, strict=True, reuse=False, cell_timeout=None):
+def build(force=False, only=(), nbs=None, out=None, build_dir=None, jobs=None, strict=True, reuse=False, cell_timeout=None,
+          execute_only=False):
     t_start = time.time()
     os.chdir(ROOT)                                      # nbdev's processors read the project's config from the cwd
     cfg = _cfg()
@@ -533,6 +546,7 @@ def build(force=False, only=(), nbs=None, out=None, build_dir=None, jobs=None, s
         nbformat.write(nb, cache/f"{name}.ipynb")
     execute_all(jobs_, n_workers, keep_run)
     timings["execute"] = time.time() - t0
+    if execute_only: return dict(executed=[j[0] for j in jobs_], timings=timings)
 
     # 3: the Sphinx source tree
     t0 = time.time()
@@ -597,8 +611,11 @@ def main(argv=None):
     ap.add_argument("--jobs", type=int, help="notebooks executed at once (default: 2, or 1 on one core)")
     ap.add_argument("--cell-timeout", type=int, help="seconds a cell may run (default: nbdev's cell_timeout, 600)")
     ap.add_argument("--no-strict", action="store_true", help="let Sphinx warnings pass (they are still listed)")
+    ap.add_argument("--execute-only", action="store_true", help="only execute the notebooks (a failing cell fails), "
+                    "keeping each clean run for the next build; no pages (python3 bootstrap.py test runs each lesson so)")
     a = ap.parse_args(argv)
-    try: build(a.force, a.only, a.nbs, a.out, a.build_dir, a.jobs, strict=not a.no_strict, reuse=a.reuse, cell_timeout=a.cell_timeout)
+    try: build(a.force, a.only, a.nbs, a.out, a.build_dir, a.jobs, strict=not a.no_strict, reuse=a.reuse, cell_timeout=a.cell_timeout,
+                 execute_only=a.execute_only)
     except BuildError as e:
         print(f"\n[docs] BUILD FAILED: {e}", file=sys.stderr, flush=True); return 1
     return 0
