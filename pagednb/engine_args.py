@@ -156,6 +156,8 @@ _HELP = dict(
                           "--gpu-memory-utilization on a GPU; min(4GiB, half the free RAM) on a CPU)",
     max_num_batched_tokens="token budget of one step, e.g. 2048 or 2K (default 2048, "
                            "or max_model_len without chunked prefill)",
+    long_prefill_token_threshold="most tokens of one prompt in a step; 0: no cap (vLLM's default) "
+                                 "(default: half the budget for a running prompt while another request waits)",
     generation_config="sampling defaults: auto (the model's generation_config.json), vllm (none) or a folder",
     speculative_config=f"speculative decoding as JSON, e.g. '{_SPEC_EXAMPLE}'",
     hf_overrides="config.json fields to change before the model is built, as JSON, e.g. "
@@ -195,6 +197,8 @@ class EngineArgs:
     max_num_batched_tokens: int | None = knob(None, _HELP["max_num_batched_tokens"],
                                               at_least(1, none="the default"), type=positive_size)
     max_num_seqs: int = knob(256, "most sequences in one step", at_least(1), type=positive_int)
+    long_prefill_token_threshold: int | None = knob(None, _HELP["long_prefill_token_threshold"],
+                                                    at_least(0, none="pagednb's share"), type=int)
     max_logprobs: int = knob(20, "most logprobs a request may ask for per token; -1 for no limit",
                              _max_logprobs, type=int)
     speculative_config: dict | None = knob(None, _HELP["speculative_config"], type=json_value)
@@ -271,7 +275,8 @@ def scheduler_config(args: EngineArgs, max_position_embeddings: int) -> Schedule
                          f"{max_position_embeddings}")
     budget = args.max_num_batched_tokens
     if budget is None: budget = 2048 if args.enable_chunked_prefill else max(2048, L)
-    return SchedulerConfig(budget, args.max_num_seqs, L, args.enable_chunked_prefill)
+    return SchedulerConfig(budget, args.max_num_seqs, L, args.enable_chunked_prefill,
+                           args.long_prefill_token_threshold)
 
 # %% ../nbs/05a_engine_args.ipynb #ea-flag
 def _flag_kwargs(f, defaults=True) -> dict:

@@ -123,6 +123,10 @@ def _check_scheduler_config(c):
                          f"max_num_batched_tokens ({c.max_num_batched_tokens}) must be >= "
                          f"max_model_len ({c.max_model_len}); raise it or set "
                          f"enable_chunked_prefill=True")
+    t = c.long_prefill_token_threshold
+    if t is not None and (not isinstance(t, int) or t < 0):
+        raise ValueError(f"long_prefill_token_threshold must be None (pagednb's share), 0 (no cap, vLLM's default) "
+                         f"or a positive number of tokens, got {t!r}")
 
 # %% ../nbs/05_scheduler.ipynb #fc539e88
 @dataclass
@@ -132,6 +136,7 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int | None = None     # None: half the budget for a running prompt while others wait
     def __post_init__(self): _check_scheduler_config(self)
 
 # %% ../nbs/05_scheduler.ipynb #db0f399f
@@ -194,6 +199,22 @@ def _preempt(self: Scheduler, seq: Sequence, plan: StepPlan):
     self.waiting.appendleft(seq)
     plan.preempted.append(seq.seq_id)
 
+# %% ../nbs/05_scheduler.ipynb #083942e7
+@patch
+def _prefill_cap(self: Scheduler, running=True) -> int:
+    "Most tokens one prompt chunk may take: the threshold, or half the budget for a running prompt while one waits."
+    c = self.config
+    t, whole = c.long_prefill_token_threshold, c.max_num_batched_tokens
+    if not c.enable_chunked_prefill or t == 0: return whole
+    if t is not None: return t
+    return max(1, whole // 2) if running and self._one_could_join() else whole
+
+@patch
+def _one_could_join(self: Scheduler) -> bool:
+    "A waiting sequence has a seat and a page to start on."
+    c = self.config
+    return bool(self.waiting) and len(self.running) < c.max_num_seqs and self.bm.can_allocate(self.waiting[0], 1)
+
 # %% ../nbs/05_scheduler.ipynb #fbf99064
 @patch
 def _make_room(self: Scheduler, seq, n, k, plan, done) -> bool:
@@ -213,7 +234,8 @@ def _schedule_running(self: Scheduler, plan: StepPlan, budget: int) -> int:
     for seq in sorted(self.running, key=lambda s: s.is_prefill):         # stable: decodes first, oldest first
         if budget <= 0: break
         if seq.status is not SequenceStatus.RUNNING: continue            # preempted earlier in this loop
-        n = min(seq.num_uncomputed, budget)
+        cap = self._prefill_cap() if seq.is_prefill else budget
+        n = min(seq.num_uncomputed, budget, cap)
         k = min(self.lookahead(seq), budget - n) if self.lookahead and not seq.is_prefill else 0
         if not k and self.bm.writes_in_place(seq, n): self._schedule_seq(seq, n, plan)   # its pages have room
         elif self._make_room(seq, n, k, plan, done): self._take(seq, n, plan, k=k)
@@ -232,7 +254,7 @@ def _schedule_waiting(self: Scheduler, plan: StepPlan, budget: int) -> int:
         hits = bm.get_computed_blocks(seq)
         n = seq.num_tokens - len(hits)*bm.block_size
         if not c.enable_chunked_prefill and n > budget: break
-        n = min(n, budget)
+        n = min(n, budget, self._prefill_cap(running=False))
         if not bm.can_allocate(seq, n, hits): break
         self.waiting.popleft()
         self._take(seq, n, plan, hits)

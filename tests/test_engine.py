@@ -184,3 +184,22 @@ def test_block_tables_kept_across_steps_equal_rebuilt_ones(case, parts, prompts)
     assert len(seen) >= MAX_NEW and max(seen) > 1
     if case == "preemption": assert llm.get_metrics()["num_preemptions"] > 0
     check_all_free(llm)
+
+def _first_token_steps(parts, threshold):
+    "Steps from a short request's arrival to its first token, queued behind the first chunk of a 600-token prompt."
+    eng = LLM(parts, log=False, max_num_batched_tokens=128, long_prefill_token_threshold=threshold).engine
+    greedy = SamplingParams(temperature=0, max_tokens=2)
+    eng.add_request("long", dict(prompt_token_ids=list(range(100, 700))), greedy)
+    eng.step()
+    eng.add_request("short", dict(prompt_token_ids=list(range(100, 110))), greedy)
+    for n in range(1, 12):
+        if any(o.request_id == "short" and o.outputs[0].token_ids for o in eng.step()): return n
+        assert n > 1 or threshold == 0, "the short request waited behind the long prompt"
+
+def test_a_long_prompt_shares_the_budget(parts):
+    # pagednb's default: a running prompt takes half the budget while another request waits
+    assert _first_token_steps(parts, None) == 1
+    # vLLM's default (no cap): the short request waits for the long prompt's last chunk (472 tokens: 4 steps)
+    assert _first_token_steps(parts, 0) == 4
+    # vLLM's fixed cap
+    assert _first_token_steps(parts, 32) == 1
