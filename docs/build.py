@@ -24,6 +24,10 @@ import argparse, hashlib, html, importlib, json, os, pkgutil, posixpath, re, shu
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
+# jsonschema (under nbformat) compiles 38 grammars of an optional URI checker at import, 6 s a process, for a
+# format no notebook uses: leave that checker out
+sys.modules.setdefault("rfc3987_syntax", None)
+
 DOCS = Path(__file__).resolve().parent
 ROOT = DOCS.parent
 BUILD_VERSION = "1"                      # bump when a change here alters what execution produces: reruns every notebook
@@ -136,16 +140,40 @@ def _kernelspec(build: Path) -> Path:
         os.replace(tmp, d/"kernel.json")          # atomic: notebooks executed by parallel builds share it
     return build/"jupyter"
 
+def _polling(get_msg, every=0.5):
+    """`get_msg(timeout)` as a loop of short waits. A kernel client's blocking wait on the shell channel can hold a
+    reply that has already arrived until its whole timeout runs out (nbclient issue 312, seen with widgets), which
+    turned a 4 s notebook into a 600 s one; short waits pick the reply up within `every` seconds."""
+    from queue import Empty
+    from nbclient.util import ensure_async
+    async def get(timeout=None, **kw):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = every if deadline is None else max(0.0, deadline - time.monotonic())
+            try: return await ensure_async(get_msg(timeout=min(every, left), **kw))
+            except Empty:
+                if deadline is not None and time.monotonic() >= deadline: raise
+    return get
+
+def _client_class():
+    "nbclient's `NotebookClient`, its shell and IOPub channels read by `_polling`."
+    from nbclient import NotebookClient
+    class PollingClient(NotebookClient):
+        async def async_start_new_kernel_client(self):
+            kc = await super().async_start_new_kernel_client()
+            for channel in (kc.shell_channel, kc.iopub_channel): channel.get_msg = _polling(channel.get_msg)
+            return kc
+    return PollingClient
+
 def _execute(job):
     "Run one notebook (in a worker process); returns (name, executed json or None, error text or None, seconds)."
     name, nb_json, cwd, timeout = job
     import nbformat
-    from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
     nb = nbformat.reads(nb_json, as_version=4)
     t0 = time.time()
     try:
-        NotebookClient(nb, timeout=timeout, kernel_name=KERNEL, resources={"metadata": {"path": cwd}},
+        _client_class()(nb, timeout=timeout, kernel_name=KERNEL, resources={"metadata": {"path": cwd}},
                        allow_errors=False, record_timing=False).execute()
     except (CellExecutionError, CellTimeoutError, DeadKernelError) as e:
         return name, None, str(e), time.time() - t0
