@@ -564,8 +564,9 @@ def _scheduler(running, waiting, budget, max_num_seqs, block_size, num_free_bloc
     free += sum(-(-nt//block_size) + 1 for _, nt in waiting)
     num_blocks = held + (free if num_free_blocks is None else num_free_blocks)
     bm = BlockManager(num_blocks, block_size, watermark=0.0)
-    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
-                                      max_model_len=4096), bm)
+    config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, max_model_len=4096,
+                             long_prefill_token_threshold=0)         # vLLM's rule: no cap on a prompt's chunk
+    sched = Scheduler(config, bm)
     for sid, nt, nc in running:
         s = SchedSequence(sid, [0]*nt)
         bm.allocate(s, nc)
@@ -603,7 +604,8 @@ register(Puzzle("schedule_step", "One scheduler step under a token budget", "05_
     "otherwise in arrival order; each gets `min(its uncomputed tokens, budget left)`. "
     "Then waiting sequences are admitted in order while budget is left and fewer than `max_num_seqs` sequences run, "
     "each with a chunk of its prompt of at most the budget left (chunked prefill). Return `[(seq_id, "
-    "num_new_tokens)]` in scheduling order.",
+    "num_new_tokens)]` in scheduling order. (This is vLLM's default, `long_prefill_token_threshold=0`; pagednb's "
+    "default also holds a running prompt to half the budget while a request waits, which this puzzle leaves out.)",
     'def schedule_step(running: list[tuple[int, int, int]], waiting: list[tuple[int, int]], '
     'max_num_batched_tokens: int,\n'
     '                  max_num_seqs: int) -> list[tuple[int, int]]:\n'
