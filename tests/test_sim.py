@@ -216,3 +216,15 @@ def test_vllm_command_exact_text():
 def test_vllm_only_knobs_the_simulator_does_not_model_still_fail():
     with pytest.raises(NotImplementedError, match="data_parallel_size"): L3(data_parallel_size=2)
     with pytest.raises(NotImplementedError, match="kv_cache_dtype"): L3(kv_cache_dtype="fp8")
+
+def test_cuda_graph_memory_comes_off_the_kv_budget_unless_enforce_eager():
+    sizes = S.vllm_capture_sizes()
+    assert len(sizes) == 51 and sizes[-1] == 512 and S.vllm_capture_sizes(64)[-1] == 128
+    plain, graphs = L3(), L3(cudagraph_capture_sizes=sizes)
+    eager = L3(cudagraph_capture_sizes=sizes, enforce_eager=True)
+    est = S.cuda_graph_bytes(graphs.shard, sizes, 2)
+    assert graphs.memory["cuda_graphs"] == est and abs(est/S.GiB - 0.46) < 0.01
+    assert plain.memory["cuda_graphs"] == eager.memory["cuda_graphs"] == 0
+    assert eager.num_blocks == plain.num_blocks
+    assert plain.num_blocks - graphs.num_blocks in (est//graphs.block_bytes, est//graphs.block_bytes + 1)
+    assert eager.vllm_command().endswith("--enforce-eager")
