@@ -9,11 +9,11 @@ __all__ = ['MODELS', 'GPUS', 'CUDA_CONTEXT', 'GRAPH_BYTES', 'QUANT_BYTES', 'SIM_
            'VLLM_FLAGS', 'WORKLOADS', 'SHOWN', 'CALIBRATION_SHAPES', 'model_config', 'layer_params', 'num_params',
            'GPU', 'activation_bytes', 'vllm_capture_sizes', 'cuda_graph_bytes', 'sizing_model', 'check_quantization',
            'sim_args', 'sim_dtype', 'check_parallel', 'shard_config', 'gpu_weight_bytes', 'CostModel', 'model_shape',
-           'step_features', 'cost_model', 'Simulator', 'vllm_flag', 'SimRequest', 'prompt_tokens', 'Workload',
-           'offline', 'poisson', 'concurrent', 'rate_sweep', 'shared_prompt', 'seed_workload', 'SimEngine',
-           'SimulatedProposer', 'SimRun', 'serving_metrics', 'plot_sweep', 'metrics_html', 'time_steps', 'fit_cost',
-           'cost_from_fit', 'relative_errors', 'engine_knob_values', 'measure', 'validation_workloads',
-           'predicted_vs_measured', 'format_validation']
+           'step_features', 'cost_model', 'Simulator', 'vllm_flag', 'log_knobs', 'what_ifs', 'format_what_ifs',
+           'SimRequest', 'prompt_tokens', 'Workload', 'offline', 'poisson', 'concurrent', 'rate_sweep', 'shared_prompt',
+           'seed_workload', 'SimEngine', 'SimulatedProposer', 'SimRun', 'serving_metrics', 'plot_sweep', 'metrics_html',
+           'time_steps', 'fit_cost', 'cost_from_fit', 'relative_errors', 'engine_knob_values', 'measure',
+           'validation_workloads', 'predicted_vs_measured', 'format_validation']
 
 # %% ../nbs/09a_capacity.ipynb #sim-77de68da
 import dataclasses, json, math, random, shlex, time
@@ -433,6 +433,45 @@ def vllm_command(self: Simulator) -> str:
         k: v for k, v in values["speculative_config"].items() if k != "acceptance_rate"}
     flags = [vllm_flag(k, v) for k, v in values.items() if v != defaults[k]]
     return " ".join(["vllm serve", shlex.quote(HUB_IDS.get(self.name, self.model_id)), *flags])
+
+# %% ../nbs/09a_capacity.ipynb #sim-whatif-knobs
+def log_knobs(info) -> dict:
+    "The knobs a vLLM log's breakdown (`explain_vllm_log`) states, as `Simulator` takes them."
+    keys = ("gpu_memory_utilization", "max_model_len", "tensor_parallel_size", "pipeline_parallel_size",
+            "enforce_eager", "block_size")
+    knobs = {k: info[k] for k in keys if info.get(k) is not None}
+    if "max_model_len" not in knobs and info.get("concurrency_for_tokens"):
+        knobs["max_model_len"] = int(info["concurrency_for_tokens"])
+    q = str(info.get("quantization") or "").split("_")[0] or None          # 'awq_marlin' is AWQ
+    if q and q in QUANT_BYTES: knobs["quantization"] = q
+    graphs = info.get("cuda_graph_deducted") or info.get("cuda_graph_estimate_gib") is not None
+    if graphs and not knobs.get("enforce_eager"): knobs["cudagraph_capture_sizes"] = vllm_capture_sizes()
+    return knobs
+
+# %% ../nbs/09a_capacity.ipynb #sim-whatif
+def what_ifs(info, model, device, changes=None, **knobs) -> list:
+    "The log's configuration (and `knobs`) in the simulator, then once per change (`{label: knobs}`)."
+    base = log_knobs(info) | knobs
+    tp, L, u = base.get("tensor_parallel_size", 1), base.get("max_model_len"), base.get("gpu_memory_utilization", 0.9)
+    changes = changes or {"as the log": {}, "gpu_memory_utilization=0.95": dict(gpu_memory_utilization=max(u, 0.95)),
+                          "max_model_len halved": dict(max_model_len=L//2) if L else {},
+                          f"tensor_parallel_size={2*tp}": dict(tensor_parallel_size=2*tp),
+                          "enforce_eager": dict(enforce_eager=True, cudagraph_capture_sizes=None)}
+    return [_what_if(label, model, device, base | knobs) for label, knobs in changes.items()]
+
+# %% ../nbs/09a_capacity.ipynb #sim-whatif-one
+def _what_if(label, model, device, knobs) -> dict:
+    "One row of `what_ifs`: the simulator's KV sizing for `knobs`, or the error it gives."
+    try: m = Simulator(model, device, **dict(knobs, log=False)).memory
+    except (ValueError, NotImplementedError) as e: return dict(what=label, error=str(e))
+    return dict(what=label, kv_gib=m["kv_bytes"]/GiB, kv_tokens=m["kv_tokens"], max_concurrency=m["max_concurrency"],
+                cuda_graphs_gib=(m["cuda_graphs"] or 0)/GiB)
+
+def format_what_ifs(rows) -> str:
+    "The what-ifs as a plain table."
+    line = lambda r: (f"{r['what']:<30}{r['kv_gib']:>8.2f} GiB{r['kv_tokens']:>11,}{r['max_concurrency']:>9.2f}x"
+                      if "error" not in r else f"{r['what']:<30}  {r['error']}")
+    return "\n".join([f"{'what if':<30}{'KV/GPU':>12}{'tokens':>11}{'concurr.':>10}"] + [line(r) for r in rows])
 
 # %% ../nbs/09a_capacity.ipynb #sim-fb644351
 @dataclass

@@ -228,3 +228,18 @@ def test_cuda_graph_memory_comes_off_the_kv_budget_unless_enforce_eager():
     assert eager.num_blocks == plain.num_blocks
     assert plain.num_blocks - graphs.num_blocks in (est//graphs.block_bytes, est//graphs.block_bytes + 1)
     assert eager.vllm_command().endswith("--enforce-eager")
+
+def test_what_ifs_size_a_vllm_logs_configuration_and_change_one_knob():
+    from pathlib import Path
+    from pagednb.vllm_read import explain_vllm_log
+    log = Path(__file__).parent/"fixtures"/"vllm_logs"/"v0_llama-3.1-8b_rtx3090_20k.log"
+    info = explain_vllm_log(log.read_text())
+    assert S.log_knobs(info) == dict(gpu_memory_utilization=0.9, max_model_len=20000)
+    llama31 = S.MODELS["Llama-3-8B"] | dict(max_position_embeddings=131072)
+    rows = S.what_ifs(info, llama31, "RTX-3090", enable_chunked_prefill=False)
+    assert [r["what"] for r in rows][:2] == ["as the log", "gpu_memory_utilization=0.95"]
+    assert abs(rows[0]["kv_gib"]/info["available_kv_cache_gib"] - 1) < 0.05          # the log: 3.81 GiB
+    assert rows[3]["what"] == "tensor_parallel_size=2" and rows[3]["kv_tokens"] > 2*rows[0]["kv_tokens"]
+    bad = S.what_ifs(info, llama31, "RTX-3090", {"TP 3": dict(tensor_parallel_size=3)})
+    assert "must be divisible by tensor parallel size (3)" in bad[0]["error"]
+    assert "TP 3" in S.format_what_ifs(bad)
