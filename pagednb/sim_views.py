@@ -21,7 +21,9 @@ def _capacity_controls(model: str, device: str) -> dict:
                 workload=d(list(WORKLOADS), list(WORKLOADS)[0], "workload"), gpu_memory_utilization=mem,
                 max_num_batched_tokens=d([512, 1024, 2048, 4096, 8192], 2048, "batch tok"),
                 max_num_seqs=d([16, 64, 256, 1024], 256, "max seqs"), max_model_len=d([2048, 4096], 2048, "max len"),
-                enable_prefix_caching=W.Checkbox(value=True, description="prefix caching"))
+                enable_prefix_caching=W.Checkbox(value=True, description="prefix caching"),
+                tensor_parallel_size=d([1, 2, 4, 8], 1, "TP"), pipeline_parallel_size=d([1, 2, 4], 1, "PP"),
+                quantization=d([("none", None), "fp8", "int8", "awq", "gptq", "mxfp4"], None, "quant"))
 
 # %% ../nbs/09d_sim_views.ipynb #sim-215bb47d
 def capacity_widget(model="Llama-2-13B", device="A100-40GB", max_map_blocks=2048):
@@ -40,12 +42,14 @@ def capacity_widget(model="Llama-2-13B", device="A100-40GB", max_map_blocks=2048
         with out:
             try: s, r = run()
             except (ValueError, RuntimeError) as e: return print(f"{type(e).__name__}: {e}")
+            print(s.memory_line + "\n" + s.kv_line + "\n" + s.vllm_command())
             display(W.HTML(metrics_html(r.metrics)))
             if s.num_blocks <= max_map_blocks and r.snapshot: display(plot_memory_map(r.snapshot))
         return r
     button.on_click(go)
     rows = [[ui["model"], ui["device"], ui["workload"]],
             [ui["gpu_memory_utilization"], ui["max_num_batched_tokens"], ui["max_num_seqs"]],
+            [ui["tensor_parallel_size"], ui["pipeline_parallel_size"], ui["quantization"]],
             [ui["max_model_len"], ui["enable_prefix_caching"], button]]
     box = W.VBox([W.HBox(r) for r in rows] + [out])
     box.controls, box.output, box.simulate, box.run = ui, out, go, run

@@ -136,3 +136,110 @@ def test_windows_free_blocks_in_the_simulated_run():
     windowed = S.Simulator("Mistral-7B-v0.1", "A100-80GB", **kw).run(wl)
     assert full.metrics["num_preemptions"] > 0 and windowed.metrics["num_preemptions"] == 0
     assert windowed.metrics["generation_tokens"] == full.metrics["generation_tokens"] == 8*6000
+
+# --- more than one GPU, more GPUs, quantized weights, the vllm serve line ----------------------------------------
+
+def L3(device="H100-80GB", **kw): return S.Simulator("Llama-3-8B", device, max_model_len=8192, log=False, **kw)
+
+@pytest.mark.parametrize("tp,kv_heads", [(1, 8), (2, 4), (4, 2), (8, 1), (16, 1)])
+def test_tp_splits_llama3_kv_heads_and_replicates_past_eight(tp, kv_heads):
+    shard = S.shard_config(S.model_config("Llama-3-8B"), tp)
+    assert (shard.num_key_value_heads, shard.num_attention_heads, shard.head_dim) == (kv_heads, 32//tp, 128)
+    assert L3(tensor_parallel_size=tp).memory["kv_bytes_per_token"] == 2*32*kv_heads*128*2   # K and V, bf16
+
+def test_tp_weights_split_and_kv_budget_by_hand():
+    one, two = L3().memory, L3(tensor_parallel_size=2).memory
+    emb = 128256*4096*2                                                  # embedding and untied LM head, bf16
+    layer = 2*4096*4096 + 2*4096*1024 + 3*4096*14336 + 2*4096            # q, o; k, v; the MLP; two norms
+    assert one["weights"] == (32*layer + 4096)*2 + 2*emb
+    per_gpu_layer = 2*4096*2048 + 2*4096*512 + 3*4096*7168 + 2*4096
+    assert two["weights"] == (32*per_gpu_layer + 4096)*2 + 2*emb//2
+    assert two["kv_tokens"] > 2*one["kv_tokens"] and two["num_gpus"] == 2
+    assert two["kv_bytes_total"] == 2*two["kv_bytes"]
+
+def test_tp_that_does_not_divide_the_heads_gets_vllms_error():
+    with pytest.raises(ValueError, match=r"Total number of attention heads \(32\) must be divisible by tensor "
+                                         r"parallel size \(3\)\."):
+        L3(tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="tensor_parallel_size=0 is invalid"): L3(tensor_parallel_size=0)
+
+def test_pp_splits_the_layers():
+    pp2 = L3(pipeline_parallel_size=2).memory
+    assert pp2["kv_bytes_per_token"] == 2*16*8*128*2                     # 16 layers a stage
+    assert S.shard_config(S.model_config("Llama-3-8B"), 1, 3).num_hidden_layers == 11
+    with pytest.raises(ValueError, match="pipeline_parallel_size=33 is more than the model's 32 layers"):
+        L3(pipeline_parallel_size=33)
+
+def test_tp_adds_all_reduces_to_the_step():
+    sim = L3(tensor_parallel_size=2)
+    f = S.step_features(sim.shape, [(1, 100)]*4, 4)
+    assert f["allreduces"] == 64 and f["allreduce_bytes"] == 4*2*32*4096*2      # ring 2(tp-1)/tp = 1
+    assert S.step_features(L3().shape, [(1, 100)], 1)["allreduces"] == 0
+    assert sim.cost.interconnect == 450e9
+
+NEW_GPUS = ["RTX-3090", "RTX-4090", "L40S", "H100-PCIe", "H100-NVL", "B200", "MI300X"]
+
+@pytest.mark.parametrize("name", NEW_GPUS)
+def test_each_new_gpu_is_there_with_sane_fields(name):
+    g = S.GPUS[name]
+    assert g.name == name and 0.9*g.nominal_gb*1e9 < g.memory <= g.nominal_gb*S.GiB
+    assert 0.5e12 < g.bandwidth < 10e12 and 50e12 < g.fp16 < 3e15 and g.bf16 == g.fp16
+    assert g.interconnect >= 32e9 and g.link
+    assert L3(name).memory["kv_tokens"] > 0
+
+def test_unknown_gpu_names_the_new_ones():
+    with pytest.raises(ValueError, match="MI300X"): L3("MI400")
+
+def test_quantization_bytes_per_weight():
+    assert S.QUANT_BYTES["fp8"] == S.QUANT_BYTES["int8"] == 1.0
+    assert S.QUANT_BYTES["awq"] == S.QUANT_BYTES["gptq"] == 0.5 + 2.5/128 and S.QUANT_BYTES["mxfp4"] == 0.53125
+    cfg = S.model_config("Llama-3-8B")
+    emb = 2*128256*4096*2 + 4096*2                                       # stays in bf16
+    assert S.gpu_weight_bytes(cfg, 2, "fp8") == 32*S.layer_params(cfg) + emb
+    assert L3(quantization="awq").memory["weights"] < 0.5*L3().memory["weights"]
+    assert L3(quantization="fp8").shape["weights"] == L3(quantization="fp8").weight_bytes
+    with pytest.raises(ValueError, match=r"quantization='nf4' is not one the simulator models; use one of"):
+        L3(quantization="nf4")
+
+def test_vllm_command_exact_text():
+    assert L3("H100-80GB", tensor_parallel_size=2).vllm_command() == \
+        "vllm serve meta-llama/Meta-Llama-3-8B --tensor-parallel-size 2 --max-model-len 8192"
+    sim = S.Simulator("Llama-2-13B", "A100-40GB", max_model_len=2048, gpu_memory_utilization=0.95,
+                      pipeline_parallel_size=2, enable_prefix_caching=False, enforce_eager=True, max_num_seqs=64,
+                      speculative_config=dict(method="ngram", num_speculative_tokens=3, acceptance_rate=0.5),
+                      log=False)
+    assert sim.vllm_command() == (
+        "vllm serve meta-llama/Llama-2-13b-hf --pipeline-parallel-size 2 --gpu-memory-utilization 0.95 "
+        "--max-model-len 2048 --max-num-seqs 64 --no-enable-prefix-caching --enforce-eager "
+        """--speculative-config '{"method": "ngram", "num_speculative_tokens": 3}'""")
+
+def test_vllm_only_knobs_the_simulator_does_not_model_still_fail():
+    with pytest.raises(NotImplementedError, match="data_parallel_size"): L3(data_parallel_size=2)
+    with pytest.raises(NotImplementedError, match="kv_cache_dtype"): L3(kv_cache_dtype="fp8")
+
+def test_cuda_graph_memory_comes_off_the_kv_budget_unless_enforce_eager():
+    sizes = S.vllm_capture_sizes()
+    assert len(sizes) == 51 and sizes[-1] == 512 and S.vllm_capture_sizes(64)[-1] == 128
+    plain, graphs = L3(), L3(cudagraph_capture_sizes=sizes)
+    eager = L3(cudagraph_capture_sizes=sizes, enforce_eager=True)
+    est = S.cuda_graph_bytes(graphs.shard, sizes, 2)
+    assert graphs.memory["cuda_graphs"] == est and abs(est/S.GiB - 0.46) < 0.01
+    assert plain.memory["cuda_graphs"] == eager.memory["cuda_graphs"] == 0
+    assert eager.num_blocks == plain.num_blocks
+    assert plain.num_blocks - graphs.num_blocks in (est//graphs.block_bytes, est//graphs.block_bytes + 1)
+    assert eager.vllm_command().endswith("--enforce-eager")
+
+def test_what_ifs_size_a_vllm_logs_configuration_and_change_one_knob():
+    from pathlib import Path
+    from pagednb.vllm_read import explain_vllm_log
+    log = Path(__file__).parent/"fixtures"/"vllm_logs"/"v0_llama-3.1-8b_rtx3090_20k.log"
+    info = explain_vllm_log(log.read_text())
+    assert S.log_knobs(info) == dict(gpu_memory_utilization=0.9, max_model_len=20000)
+    llama31 = S.MODELS["Llama-3-8B"] | dict(max_position_embeddings=131072)
+    rows = S.what_ifs(info, llama31, "RTX-3090", enable_chunked_prefill=False)
+    assert [r["what"] for r in rows][:2] == ["as the log", "gpu_memory_utilization=0.95"]
+    assert abs(rows[0]["kv_gib"]/info["available_kv_cache_gib"] - 1) < 0.05          # the log: 3.81 GiB
+    assert rows[3]["what"] == "tensor_parallel_size=2" and rows[3]["kv_tokens"] > 2*rows[0]["kv_tokens"]
+    bad = S.what_ifs(info, llama31, "RTX-3090", {"TP 3": dict(tensor_parallel_size=3)})
+    assert "must be divisible by tensor parallel size (3)" in bad[0]["error"]
+    assert "TP 3" in S.format_what_ifs(bad)
