@@ -17,7 +17,7 @@ import numpy as np, torch, torch.nn as nn
 from numpy.lib.stride_tricks import sliding_window_view
 from .sampling import probabilities
 from .runner import PagedAttentionBackend, decode_inputs
-from .model import load_model
+from .model import load_model, CausalLM
 
 logger = logging.getLogger("pagednb")
 
@@ -151,11 +151,12 @@ class TruncatedDraft(nn.Module):
         self.config = dataclasses.replace(target.config, num_hidden_layers=num_layers)
         self.embed_tokens, self.norm = target.model.embed_tokens, target.model.norm
         self.layers, self.lm_head = target.model.layers[:num_layers], target.lm_head
+        self.softcap = target.softcap                  # Gemma 2's final soft cap, as the target's logits have it
     def forward(self, input_ids, positions, attn):
         x = self.embed_tokens(input_ids)
         for layer in self.layers: x = layer(positions, x, attn)
         return self.norm(x)
-    def compute_logits(self, hidden): return self.lm_head(hidden).float()
+    def compute_logits(self, hidden): return CausalLM.compute_logits(self, hidden)
 
 # %% ../nbs/07_speculative.ipynb #209dd1a9
 class DraftModelProposer:

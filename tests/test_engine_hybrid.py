@@ -82,3 +82,14 @@ def test_windows_everywhere_outlive_a_full_cache(tmp_path):
     assert pool*4 < len(p) + 200
     assert llm.get_metrics()["num_preemptions"] == 0
     assert got == [_hf_greedy(hf, p, 200)]
+
+def test_draft_logits_carry_the_final_soft_cap(tmp_path):
+    "A truncated draft of Gemma 2 squashes its logits with the target's final soft cap, as the target does."
+    from pagednb.spec_decode import TruncatedDraft
+    tiny_hybrid_model("gemma2", tmp_path)
+    model = load_model(tmp_path, dtype="float32", device="cpu")[0]
+    draft = TruncatedDraft(model, 1)
+    hidden = torch.randn(3, model.config.hidden_size) * 1000
+    got = draft.compute_logits(hidden)
+    assert model.softcap is not None and got.abs().max() <= model.softcap
+    torch.testing.assert_close(got, model.compute_logits(hidden))
