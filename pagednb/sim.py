@@ -506,7 +506,8 @@ FIDELITY_NOTES = {   # where a prediction misses, and why, from what each log st
         "unexplained",
     "v0_deepseek-r1-distill-qwen-14b_2x4090_tp2_too_long": "not predicted: the simulator refuses "
         "gpu_memory_utilization=0.98, as the 0.5 GiB it assumes for the CUDA context leaves less free than that "
-        "share; vLLM 0.7 did not check, and sized 81,536 tokens"}
+        "share (vLLM's V1 engine checks the free memory at start-up against the share too); V0 in 0.7 did not "
+        "check, and sized 81,536 tokens"}
 
 def _version(side):
     "A log's vLLM version: stated, else '~' and the one its note dates it to, else None."
