@@ -6,17 +6,19 @@ Docs: https://pagednb.github.io/pagednb/capacity.html.md"""
 
 # %% auto #0
 __all__ = ['MODELS', 'GPUS', 'CUDA_CONTEXT', 'GRAPH_BYTES', 'QUANT_BYTES', 'SIM_EXCLUDES', 'SIM_TAKES', 'COST_MODELS', 'HUB_IDS',
-           'VLLM_FLAGS', 'WORKLOADS', 'SHOWN', 'CALIBRATION_SHAPES', 'model_config', 'layer_params', 'num_params',
-           'GPU', 'activation_bytes', 'vllm_capture_sizes', 'cuda_graph_bytes', 'sizing_model', 'check_quantization',
-           'sim_args', 'sim_dtype', 'check_parallel', 'shard_config', 'gpu_weight_bytes', 'CostModel', 'model_shape',
-           'step_features', 'cost_model', 'Simulator', 'vllm_flag', 'log_knobs', 'what_ifs', 'format_what_ifs',
-           'SimRequest', 'prompt_tokens', 'Workload', 'offline', 'poisson', 'concurrent', 'rate_sweep', 'shared_prompt',
-           'seed_workload', 'SimEngine', 'SimulatedProposer', 'SimRun', 'serving_metrics', 'plot_sweep', 'metrics_html',
-           'time_steps', 'fit_cost', 'cost_from_fit', 'relative_errors', 'engine_knob_values', 'measure',
-           'validation_workloads', 'predicted_vs_measured', 'format_validation']
+           'VLLM_FLAGS', 'LOG_MODELS', 'LOG_GPUS', 'FIDELITY_NOTES', 'WORKLOADS', 'SHOWN', 'CALIBRATION_SHAPES',
+           'model_config', 'layer_params', 'num_params', 'GPU', 'activation_bytes', 'vllm_capture_sizes',
+           'cuda_graph_bytes', 'sizing_model', 'check_quantization', 'sim_args', 'sim_dtype', 'check_parallel',
+           'shard_config', 'gpu_weight_bytes', 'CostModel', 'model_shape', 'step_features', 'cost_model', 'Simulator',
+           'vllm_flag', 'log_knobs', 'what_ifs', 'format_what_ifs', 'vllm_token_budget', 'log_gpu', 'fidelity',
+           'format_fidelity', 'SimRequest', 'prompt_tokens', 'Workload', 'offline', 'poisson', 'concurrent',
+           'rate_sweep', 'shared_prompt', 'seed_workload', 'SimEngine', 'SimulatedProposer', 'SimRun',
+           'serving_metrics', 'plot_sweep', 'metrics_html', 'time_steps', 'fit_cost', 'cost_from_fit',
+           'relative_errors', 'engine_knob_values', 'measure', 'validation_workloads', 'predicted_vs_measured',
+           'format_validation']
 
 # %% ../nbs/09a_capacity.ipynb #sim-77de68da
-import dataclasses, json, math, random, shlex, time
+import dataclasses, json, math, random, re, shlex, time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -472,6 +474,127 @@ def format_what_ifs(rows) -> str:
     line = lambda r: (f"{r['what']:<30}{r['kv_gib']:>8.2f} GiB{r['kv_tokens']:>11,}{r['max_concurrency']:>9.2f}x"
                       if "error" not in r else f"{r['what']:<30}  {r['error']}")
     return "\n".join([f"{'what if':<30}{'KV/GPU':>12}{'tokens':>11}{'concurr.':>10}"] + [line(r) for r in rows])
+
+# %% ../nbs/09a_capacity.ipynb #526bdf20
+LOG_MODELS = {   # a published log's model (its hub id) -> a `MODELS` name or its config.json numbers
+    "meta-llama/Meta-Llama-3-8B": "Llama-3-8B",
+    "meta-llama/Llama-3.1-8B-Instruct": MODELS["Llama-3-8B"] | dict(max_position_embeddings=131072),
+    "Qwen/Qwen3-0.6B": _cfg("qwen3", 151936, 1024, 3072, 28, 16, 8, 40960, "bfloat16", 1e6, head_dim=128,
+                            tie_word_embeddings=True),
+    "Qwen/Qwen3-1.7B": _cfg("qwen3", 151936, 2048, 6144, 28, 16, 8, 40960, "bfloat16", 1e6, head_dim=128,
+                            tie_word_embeddings=True),
+    "Qwen/Qwen3-32B": _cfg("qwen3", 151936, 5120, 25600, 64, 64, 8, 40960, "bfloat16", 1e6, head_dim=128),
+    "deepseek-ai/deepseek-coder-6.7b-instruct": _cfg("llama", 32256, 4096, 11008, 32, 32, 32, 16384, "bfloat16", 1e5),
+    "deepseek-ai/DeepSeek-R1-Distill-Qwen-14B": _cfg("qwen2", 152064, 5120, 13824, 48, 40, 8, 131072, "bfloat16", 1e6)}
+LOG_GPUS = {"H100 80GB": "H100-80GB", "RTX 3090": "RTX-3090", "RTX 4090": "RTX-4090", "Tesla T4": "T4",
+            "A100 40GB": "A100-40GB", "A100": "A100-80GB"}   # the GPU as a log's source names it; the first match wins
+
+# %% ../nbs/09a_capacity.ipynb #8af3c849
+FIDELITY_NOTES = {   # where a prediction misses, and why, from what each log states
+    "v1_qwen3-0.6b_a100_flashinfer_bf16": "a 16,384-token profiling step (the LLM class on an 80 GB GPU); the source "
+        "names only an 'A100': the 80 GB one, as the 40 GB one cannot hold 69.66 GiB",
+    "v0_llama-3-8b_h100_tp1_table": "vLLM also took 1.79 GiB of non-torch memory (CUDA context, cuBLAS and NCCL "
+        "buffers) off the share, which the simulator does not; its activations, 1.18 GiB, are near the log's 1.26",
+    "v0_llama-3.1-8b_rtx3090_20k": "the activation estimate for a 20,000-token step, 2.62 GiB, is above the 2.07 GiB "
+        "vLLM measured (its peak 17.06 less 14.99 of weights), and the 0.35 GiB of non-torch memory is left out: "
+        "the two partly cancel",
+    "v0_llama-3.1-8b_rtx3090_29k_too_long": "the activation estimate for 29,000 tokens, 3.72 GiB, is above the 2.99 "
+        "measured: the simulator adds a layer's attention and MLP tensors, while vLLM's peak holds the MLP's; "
+        "both refuse max_model_len=29000, as the log does",
+    "v0_deepseek-coder-6.7b_2xT4_tp2": "vLLM 0.4-0.5 took the GPU's whole peak after profiling off the share "
+        "(everything outside torch too, with TP 2 over PCIe); the log states no breakdown, so the 4 GiB gap is "
+        "unexplained",
+    "v0_deepseek-r1-distill-qwen-14b_2x4090_tp2_too_long": "not predicted: the simulator refuses "
+        "gpu_memory_utilization=0.98, as the 0.5 GiB it assumes for the CUDA context leaves less free than that "
+        "share (vLLM's V1 engine checks the free memory at start-up against the share too); V0 in 0.7 did not "
+        "check, and sized 81,536 tokens"}
+
+def _version(side):
+    "A log's vLLM version: stated, else '~' and the one its note dates it to, else None."
+    m = re.search(r"\d+\.\d+(?:\.\d+)?", side.get("version_note") or "")
+    return side.get("vllm_version") or (m and "~" + m.group(0))
+
+# %% ../nbs/09a_capacity.ipynb #2c219433
+def vllm_token_budget(engine, max_model_len, gpu, server=True):
+    "vLLM's default (max_num_batched_tokens, chunked prefill): the step its memory profiling runs."
+    if engine == "V0":                                          # V0: chunked prefill only from 32k tokens on
+        return (2048, True) if max_model_len >= 32768 else (max(max_model_len, 2048), False)
+    if gpu.memory >= 70*GiB: return (8192 if server else 16384), True    # V1: `vllm serve` / `LLM(...)`
+    return (2048 if server else 8192), True
+
+# %% ../nbs/09a_capacity.ipynb #5c5911ce
+def log_gpu(side):
+    "The `GPUS` name of the GPU a log's source names (`LOG_GPUS`), or None."
+    return next((g for k, g in LOG_GPUS.items() if k in (side.get("gpu") or "")), None)
+
+def _reported(info):
+    "What a log states of its KV cache: (GiB, tokens), tokens from its blocks of 16 where it gives only those."
+    tokens = info.get("gpu_kv_cache_tokens") or (info["gpu_blocks"]*16 if info.get("gpu_blocks") else None)
+    return info.get("available_kv_cache_gib"), tokens
+
+# %% ../nbs/09a_capacity.ipynb #3b72cd24
+def _skip(side):
+    "Why the simulator cannot size a log's configuration (its sidecar), or None."
+    knobs, model = side.get("knobs", {}), side.get("model") or ""
+    if side.get("cpu"): return "vLLM's CPU backend: its KV cache is the VLLM_CPU_KVCACHE_SPACE it is given"
+    if not side.get("model"): return "the log does not name its model"
+    if knobs.get("data_parallel_size", 1) > 1: return "data parallel with expert parallel: not modelled"
+    if knobs.get("kv_cache_dtype", "auto") != "auto": return "kv_cache_dtype=fp8: not in the simulator yet"
+    if side.get("moe"): return "a MoE model: the simulator does not count experts' weights yet"
+    if "Vision" in model or "-VL-" in model: return "a vision model: its encoder's profiling is not modelled"
+    if model not in LOG_MODELS: return f"{model}: its config.json is not in the simulator's table"
+    if log_gpu(side) is None: return f"the log does not name its GPU ({side.get('gpu')!r})"
+
+# %% ../nbs/09a_capacity.ipynb #85f953b7
+_ROOM = re.compile(r"has room for (\d+) blocks of (\d+) tokens")
+
+def _predict(side, info):
+    "The simulator's (KV GiB, KV tokens) for a log's configuration; a too-long refusal still says how many blocks."
+    model, gpu, cmd = LOG_MODELS[side["model"]], log_gpu(side), side.get("command", "")
+    knobs = log_knobs(info) | {k: v for k, v in side.get("knobs", {}).items() if k in knob_names(SIM_EXCLUDES)}
+    L = knobs.get("max_model_len") or model_config(model).max_position_embeddings
+    budget, chunked = vllm_token_budget(side["engine"], L, GPUS[gpu], server="LLM(" not in cmd and "lm_eval" not in cmd)
+    try: sim = Simulator(model, gpu, log=False, max_num_batched_tokens=budget, enable_chunked_prefill=chunked, **knobs)
+    except ValueError as e:
+        if not (m := _ROOM.search(str(e))): return None, None, str(e)
+        return None, int(m.group(1))*int(m.group(2)), "too long for the KV cache, as in the log"
+    return sim.memory["kv_bytes"]/GiB, sim.memory["kv_tokens"], ""
+
+# %% ../nbs/09a_capacity.ipynb #168daaaf
+def _errors(rep_gib, rep_tok, gib, tok) -> dict:
+    "Reported, predicted and the error in % (on tokens where the log states them, else on GiB)."
+    pair = (rep_tok, tok) if rep_tok and tok else (rep_gib, gib) if rep_gib and gib else None
+    err = round(100*(pair[1]/pair[0] - 1), 1) if pair else None
+    return dict(reported_gib=rep_gib, predicted_gib=gib and round(gib, 2), reported_tokens=rep_tok,
+                predicted_tokens=tok, error_pct=err)
+
+# %% ../nbs/09a_capacity.ipynb #1b7c7141
+def fidelity(fixtures, notes=FIDELITY_NOTES) -> list:
+    "Predicted beside reported KV cache for each log of `fixtures` (`read_fixtures`), or why it is skipped."
+    rows = []
+    for name, side, info in fixtures:
+        row = dict(log=name, vllm_version=_version(side), engine=side.get("engine"),
+                   tp=side.get("knobs", {}).get("tensor_parallel_size", 1))
+        rep_gib, rep_tok = _reported(info) if isinstance(info, dict) else (None, None)
+        why = _skip(side) or (None if rep_gib or rep_tok else "the log states no KV cache size")
+        if why: rows.append(row | dict(skipped=why)); continue
+        gib, tok, note = _predict(side, info)
+        rows.append(row | _errors(rep_gib, rep_tok, gib, tok) | dict(note=(notes or {}).get(name) or note))
+    return rows
+
+# %% ../nbs/09a_capacity.ipynb #4d2e4be0
+def format_fidelity(rows) -> str:
+    "The fidelity rows as a plain table: sized logs first, then the skipped ones with their reasons."
+    g = lambda x, f: "?" if x is None else format(x, f)
+    pct = lambda x: "?" if x is None else f"{x:+.1f}%"
+    head = f"{'log':<52}{'vLLM':>8}{'eng':>4}{'TP':>3}{'rep GiB':>9}{'pred GiB':>9}{'rep tok':>10}{'pred tok':>10}"
+    line = lambda r: (f"{r['log']:<52}{g(r['vllm_version'], '')[:7]:>8}{r['engine']:>4}{r['tp']:>3}"
+                      f"{g(r['reported_gib'], '.2f'):>9}{g(r['predicted_gib'], '.2f'):>9}"
+                      f"{g(r['reported_tokens'], ','):>10}{g(r['predicted_tokens'], ','):>10}")
+    sized = [f"{line(r)}{pct(r['error_pct']):>8}" for r in rows if "skipped" not in r]
+    notes = [f"- {r['log']}: {r['note']}" for r in rows if r.get("note")]
+    skipped = [f"- {r['log']}: skipped, {r['skipped']}" for r in rows if "skipped" in r]
+    return "\n".join([head + "   error", *sized, "", "where it misses:", *notes, "", "not sized:", *skipped])
 
 # %% ../nbs/09a_capacity.ipynb #sim-fb644351
 @dataclass

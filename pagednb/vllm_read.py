@@ -7,8 +7,8 @@ Docs: https://pagednb.github.io/pagednb/reading_vllm.html.md"""
 # %% auto #0
 __all__ = ['KEYS', 'LINES', 'SIZING', 'CONFIG', 'ANSI', 'SOURCE', 'PER_WORKER', 'SEGMENTS', 'GREYS', 'NAMES', 'GAUGES',
            'read_lines', 'looked_for', 'explain_vllm_log', 'explain_text', 'memory_segments', 'plot_vllm_memory',
-           'read_fixtures', 'main', 'paste_log_widget', 'parse_prometheus', 'metric', 'scrape_metrics',
-           'metrics_series', 'plot_metrics', 'fixture_bytes']
+           'read_fixtures', 'fixture_bytes', 'main', 'paste_log_widget', 'parse_prometheus', 'metric', 'scrape_metrics',
+           'metrics_series', 'plot_metrics']
 
 # %% ../nbs/09b_reading_vllm.ipynb #vr-003
 import json, re, sys, time
@@ -339,6 +339,15 @@ def read_fixtures(folder):
         out.append((meta.stem, json.loads(meta.read_text()), info))
     return out
 
+# %% ../nbs/09b_reading_vllm.ipynb #vr-069
+def fixture_bytes(name, folder="../tests/fixtures"):
+    "A file of the repository's tests/fixtures: from this checkout, or (on Colab) from the repository itself."
+    p = Path(folder)/name
+    if p.exists(): return p.read_bytes()
+    import urllib.request
+    url = f"https://raw.githubusercontent.com/pagednb/pagednb/main/tests/fixtures/{name}"
+    return urllib.request.urlopen(url).read()
+
 # %% ../nbs/09b_reading_vllm.ipynb #vr-050
 def _parser():
     import argparse
@@ -457,12 +466,3 @@ def plot_metrics(series, title="vLLM over time"):
     for k in ("prompt_tps", "generation_tps"): fig.add_trace(go.Scatter(x=mid, y=series.get(k, []), name=k), 2, 2)
     fig.update_layout(height=520, title=title)
     return fig.update_xaxes(title_text="seconds")
-
-# %% ../nbs/09b_reading_vllm.ipynb #vr-069
-def fixture_bytes(name, folder="../tests/fixtures"):
-    "A file of the repository's tests/fixtures: from this checkout, or (on Colab) from the repository itself."
-    p = Path(folder)/name
-    if p.exists(): return p.read_bytes()
-    import urllib.request
-    url = f"https://raw.githubusercontent.com/pagednb/pagednb/main/tests/fixtures/{name}"
-    return urllib.request.urlopen(url).read()

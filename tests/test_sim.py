@@ -243,3 +243,21 @@ def test_what_ifs_size_a_vllm_logs_configuration_and_change_one_knob():
     bad = S.what_ifs(info, llama31, "RTX-3090", {"TP 3": dict(tensor_parallel_size=3)})
     assert "must be divisible by tensor parallel size (3)" in bad[0]["error"]
     assert "TP 3" in S.format_what_ifs(bad)
+
+def test_fidelity_predicts_published_logs_kv_cache_and_says_what_it_skips():
+    from pathlib import Path
+    from pagednb.vllm_read import read_fixtures
+    rows = {r["log"]: r for r in S.fidelity(read_fixtures(Path(__file__).parent/"fixtures"/"vllm_logs"))}
+    sized = [r for r in rows.values() if "skipped" not in r]
+    v1 = [r for r in sized if r["engine"] == "V1"]
+    assert v1 and all(r["error_pct"] is not None and abs(r["error_pct"]) <= 5 for r in v1)
+    q = rows["v1_qwen3-0.6b_a100_flashinfer_bf16"]                           # the log: 69.66 GiB, 652,144 tokens
+    assert q["reported_tokens"] == 652144 and abs(q["predicted_tokens"]/652144 - 1) < 0.01 and q["tp"] == 1
+    assert abs(rows["v0_llama-3.1-8b_rtx3090_20k"]["error_pct"]) < 5              # 31,232 tokens (1,952 blocks)
+    assert abs(rows["v0_llama-3-8b_h100_tp1_table"]["error_pct"]) < 5             # 53.29 GiB
+    assert all(r["note"] for r in sized if r["error_pct"] is None or abs(r["error_pct"]) > 1)   # each miss says why
+    assert "does not name its model" in rows["v1_fp8kv_len100k"]["skipped"]
+    assert "does not name its GPU" in rows["v1_qwen3-32b_tp2_journald"]["skipped"]
+    assert "MoE" in rows["v1_qwen3-235b-a22b-fp8_4xh100_tp4"]["skipped"]
+    assert "kv_cache_dtype" in rows["v1_deepseek-v4-flash_2xgh200_tp2_too_long"]["skipped"]
+    assert "not sized:" in S.format_fidelity(list(rows.values()))
