@@ -706,6 +706,9 @@ def _attend_pages(acc, m_i, l_i, q, qpos, K, V, bt_row, lo, hi, kvh, qk_scale, w
         if F32_DOT:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
+        else:                                                          # a 16- or 8-bit cache: converted in
+            k = k.to(q.dtype)                                          # registers (a no-op for `auto`)
+            v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale     # [ROWS, BLOCK_N]
         if SOFTCAP:
             s = _soft_cap(s, softcap)
@@ -1045,11 +1048,10 @@ def check_triton_device(device, dtype):
 
 # %% ../nbs/04_paged_attention.ipynb #1ca98f50
 def _check_triton_cache(x, k_cache, k_scale, v_scale):
-    "The Triton kernels read a cache in the model's own dtype, unscaled: `kv_cache_dtype='auto'`."
-    if k_cache.dtype == x.dtype and k_scale == 1.0 and v_scale == 1.0: return
-    held = f"this cache holds {k_cache.dtype} (a kv_cache_dtype other than 'auto')"
-    raise NotImplementedError(f"backend='triton' reads a KV cache of the model's dtype ({x.dtype}) with scales 1.0; "
-                              f"{held}: use backend='torch'")
+    "The Triton kernels read a cache of any `kv_cache_dtype`, converting in registers, but with scales 1.0 only."
+    if k_scale == 1.0 and v_scale == 1.0: return
+    raise NotImplementedError(f"backend='triton' reads KV caches with k_scale = v_scale = 1.0 only, got "
+                              f"k_scale={k_scale}, v_scale={v_scale}: use backend='torch'")
 
 # %% ../nbs/04_paged_attention.ipynb #1166bbf9
 def store_kv(key, value, k_cache, v_cache, slot_mapping, backend=None, *, debug=None, k_scale=1.0, v_scale=1.0):
@@ -1059,6 +1061,7 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping, backend=None, *, debug=
     if backend == 'torch': return store_kv_torch(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     check_store_args(key, value, k_cache, v_cache, slot_mapping)
     _check_triton_cache(key, k_cache, k_scale, v_scale)
+    key, value = quantize_kv(key, k_cache.dtype), quantize_kv(value, v_cache.dtype)     # saturating, as on torch
     check_triton_device(key.device, key.dtype)
     if _debug(debug): check_slots(slot_mapping, k_cache.shape[0] * k_cache.shape[1])
     store_kv_triton(key, value, k_cache, v_cache, slot_mapping)

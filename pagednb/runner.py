@@ -286,8 +286,8 @@ class ModelRunner:
                  kv_cache_dtype="auto", kv_scales=None):
         c, w = model.config, model.lm_head.weight
         self.kv_dtype = kv_storage_dtype(kv_cache_dtype, w.dtype)       # what the pool holds (`04`)
-        if self.kv_dtype != w.dtype or kv_scales is not None:
-            attention_backend = "torch"     # the C++ and Triton kernels read the model's dtype only: the torch path
+        # a pool not in float32 skips the C++ kernel (`attention_path`); Triton converts pages but takes no scales
+        if kv_scales is not None: attention_backend = "torch"
         self.model, self.block_size, self.device = model, block_size, w.device
         if pack_weights is None:
             pack_weights = can_pack(w) and os.environ.get("PAGEDNB_PACK_WEIGHTS", "1") != "0"

@@ -170,3 +170,26 @@ def test_fp8_drift_is_measured(parts, capsys):
         agree = sum(a == b for a, b in zip(ref, got)) / len(ref)
         lines.append(f"kv_cache_dtype={name}: top-1 agreement with auto over {len(ref)} positions: {agree:.3f}")
     with capsys.disabled(): print("\n" + "\n".join(lines))
+
+# --- Triton (interpreted on a CPU): converts 16- and 8-bit pages in registers ---------------------------------
+
+@pytest.mark.parametrize("name", list(KV_STORAGE_DTYPES))
+@pytest.mark.parametrize("variant,query_lens,splits", [("naive", [1, 1], None), ("decode", [1, 1], None),
+                                                       ("multi", [1, 5], None), ("multi", [1, 1], 2)])
+def test_triton_reads_the_quantised_cache(name, variant, query_lens, splits):
+    "Tiny shapes: the Triton store and each kernel over a NaN-poisoned quantised cache, against the torch path."
+    from pagednb.attention import HAS_TRITON, INTERPRETED
+    if not HAS_TRITON or (not torch.cuda.is_available() and not INTERPRETED): pytest.skip("no runnable Triton")
+    dt = KV_STORAGE_DTYPES[name]
+    p = make_paged_problem([13, 20], query_lens=query_lens, num_heads=4, num_kv_heads=2, head_dim=16, block_size=4,
+                           seed=0).fill()
+    q, kc, vc, bt, sl, qsl, sc = p.args
+    kq, vq = torch.full(kc.shape, float("nan")).to(dt), torch.full(vc.shape, float("nan")).to(dt)
+    rows = kc.view(-1, *kc.shape[2:])
+    slots = (~rows.isnan().any(-1).any(-1)).nonzero().squeeze(1)                  # the context's slots only
+    store_kv(rows[slots] * 1000, vc.view(-1, *vc.shape[2:])[slots], kq, vq, slots, backend="triton")
+    assert kq.view(-1, *kq.shape[2:])[slots].float().isfinite().all()             # saturated, not inf
+    got = paged_attention(q, kq, vq, bt, sl, qsl, sc, backend="triton", variant=variant, num_splits=splits)
+    torch.testing.assert_close(got, paged_attention(q, kq, vq, bt, sl, qsl, sc, backend="torch"), rtol=1e-4, atol=1e-5)
+    with pytest.raises(NotImplementedError, match="k_scale = v_scale = 1.0"):
+        paged_attention(q, kq, vq, bt, sl, qsl, sc, backend="triton", k_scale=2.0)
