@@ -62,7 +62,7 @@ def test_bad_scales(bad):
 @pytest.mark.parametrize("name", list(KV_STORAGE_DTYPES))
 @pytest.mark.parametrize("scale", [1.0, 0.25])
 def test_torch_path_reads_the_quantised_cache(name, scale):
-    "A mixed batch (decode, short and long prefill) over NaN-poisoned unused slots: the same numbers as attention over the cache dequantised by hand."
+    "A mixed batch (decode, short and long prefill), NaN in unused slots: as attention over the cache dequantised by hand."
     dt = KV_STORAGE_DTYPES[name]
     p = make_paged_problem([13, 30, 40], query_lens=[1, 4, 20], num_heads=6, num_kv_heads=2, head_dim=16,
                            block_size=4, seed=1).fill()
@@ -90,7 +90,8 @@ def parts(): return load_model()
 
 @pytest.fixture(scope="module")
 def prompts(parts):
-    return chat_ids(parts[1], [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}] for q in QUESTIONS])
+    chats = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}] for q in QUESTIONS]
+    return chat_ids(parts[1], chats)
 
 @pytest.fixture(scope="module")
 def hf():
@@ -193,3 +194,24 @@ def test_triton_reads_the_quantised_cache(name, variant, query_lens, splits):
     torch.testing.assert_close(got, paged_attention(q, kq, vq, bt, sl, qsl, sc, backend="torch"), rtol=1e-4, atol=1e-5)
     with pytest.raises(NotImplementedError, match="k_scale = v_scale = 1.0"):
         paged_attention(q, kq, vq, bt, sl, qsl, sc, backend="triton", k_scale=2.0)
+
+# --- a hybrid model: every KV-cache group in the smaller dtype -------------------------------------------------
+
+def test_hybrid_groups_in_16_bits(tmp_path):
+    "Gemma 2 (sliding and full layers in two KV-cache groups, soft caps): bfloat16 cache against rounding HF."
+    from helpers import tiny_hybrid_model
+    hf = tiny_hybrid_model("gemma2", tmp_path)
+    parts = load_model(tmp_path, dtype="float32", device="cpu")
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(4, hf.config.vocab_size, (n,), generator=g).tolist() for n in (7, 29, 53)]
+    want = []
+    for p in prompts:
+        x = torch.tensor([p])
+        out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=24, min_new_tokens=24, do_sample=False,
+                          pad_token_id=0, cache=RoundingCache(torch.bfloat16, config=hf.config))
+        want.append(out[0, len(p):].tolist())
+    sp = SamplingParams(temperature=0, max_tokens=24, min_tokens=24)
+    for kw in (dict(), dict(max_num_batched_tokens=16)):
+        llm = LLM(parts, log=False, max_model_len=256, kv_cache_dtype="bfloat16", **kw)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == want
+        assert len(llm.engine.kv_groups) == 2 and llm.engine.runner.kv_cache.dtype == torch.bfloat16
