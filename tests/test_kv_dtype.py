@@ -62,7 +62,7 @@ def test_bad_scales(bad):
 @pytest.mark.parametrize("name", list(KV_STORAGE_DTYPES))
 @pytest.mark.parametrize("scale", [1.0, 0.25])
 def test_torch_path_reads_the_quantised_cache(name, scale):
-    "A mixed batch (decode, short and long prefill), NaN in unused slots: as attention over the cache dequantised by hand."
+    "A mixed batch (decode, short and long prefill), NaN in unused slots: as attention over a hand-dequantised cache."
     dt = KV_STORAGE_DTYPES[name]
     p = make_paged_problem([13, 30, 40], query_lens=[1, 4, 20], num_heads=6, num_kv_heads=2, head_dim=16,
                            block_size=4, seed=1).fill()
