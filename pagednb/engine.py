@@ -22,6 +22,8 @@ from .scheduler import Scheduler, Sequence, SequenceStatus
 from .sampling import SamplingParams, CompletionOutput, RequestOutput, RequestMetrics, sample
 from .sampling import process_logits, token_logprobs, RequestOutputKind
 from .runner import ModelRunner, num_kv_blocks, grouped_kv_line
+from .attention import kv_storage_dtype
+from .kv_cache import kv_bytes_per_token
 from .hybrid_kv import model_kv_groups, need_blocks
 from .spec_decode import SpecDecoder
 from .engine_args import EngineArgs, engine_args, check_engine_runs, scheduler_config
@@ -119,7 +121,8 @@ def _build(self: LLMEngine, args: EngineArgs):
     windows = [g.window for g in groups]
     self.block_manager = make_block_manager(num_blocks, bs, args.enable_prefix_caching, windows=windows)
     self.scheduler = Scheduler(c, self.block_manager)
-    self.runner = ModelRunner(self.model, num_blocks, bs, args.attention_backend, groups=groups)
+    self.runner = ModelRunner(self.model, num_blocks, bs, args.attention_backend, groups=groups,
+                              kv_cache_dtype=args.kv_cache_dtype)
     self.kv_line = self._kv_line(num_blocks, block_bytes)
     if args.log: print(self.kv_line, flush=True)
     give_back_memory()                                   # loading and packing leave freed heap pages behind
@@ -131,14 +134,19 @@ def _num_blocks(self: LLMEngine, args, groups):
     c, bs = self.sched_config, args.block_size
     sizes = (args.gpu_memory_utilization, args.kv_cache_memory_bytes, args.num_gpu_blocks_override)
     need = need_blocks(groups, bs, c.max_model_len, c.max_num_batched_tokens)
+    self.kv_dtype = kv_storage_dtype(args.kv_cache_dtype, self.model.lm_head.weight.dtype)   # `04_paged_attention`
+    self.kv_bytes_per_token = kv_bytes_per_token(self.model.config, self.kv_dtype)
     return num_kv_blocks(self.model, bs, c.max_model_len, c.max_num_batched_tokens, *sizes,
-                         layers_per_block=len(groups[0].layers), need_blocks=need)
+                         layers_per_block=len(groups[0].layers), need_blocks=need, kv_dtype=self.kv_dtype)
 
 @patch
 def _kv_line(self: LLMEngine, num_blocks, block_bytes):
     "The start-up line; for a hybrid model, its groups and vLLM's concurrency over them."
     c, bs = self.sched_config, self.block_manager.block_size
-    return grouped_kv_line(num_blocks, bs, block_bytes, c.max_model_len, c.max_num_batched_tokens, self.kv_groups)
+    line = grouped_kv_line(num_blocks, bs, block_bytes, c.max_model_len, c.max_num_batched_tokens, self.kv_groups)
+    if self.args.kv_cache_dtype == "auto": return line                 # the line a simulator prints too
+    dtype = str(self.kv_dtype).removeprefix("torch.")
+    return f"{line}; kv_cache_dtype={self.args.kv_cache_dtype} ({dtype}, {self.kv_bytes_per_token} bytes per token)"
 
 # %% ../nbs/06b_engine.ipynb #478988fd
 @patch
@@ -703,7 +711,8 @@ def get_metrics(self: LLMEngine):
     alloc, held = kv_slots(bm, self.scheduler.running)
     st = bm.prefix_cache_stats if getattr(bm, "enable_prefix_caching", False) else None
     busy = max(self.stats["busy_time"], 1e-9)
-    return dict(kv_cache_usage=bm.usage, kv_cache_usage_peak=self.stats.get("kv_cache_usage_peak", 0.0),
+    kv = dict(kv_cache_dtype=self.args.kv_cache_dtype, kv_bytes_per_token=self.kv_bytes_per_token)
+    return dict(**kv, kv_cache_usage=bm.usage, kv_cache_usage_peak=self.stats.get("kv_cache_usage_peak", 0.0),
                 kv_cache_waste=(1 - held/alloc) if alloc else 0.0,
                 num_blocks=bm.num_blocks, num_free_blocks=bm.num_free_blocks,
                 prefix_cache_queries=st.queries if st else 0, prefix_cache_hits=st.hits if st else 0,

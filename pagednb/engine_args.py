@@ -158,6 +158,8 @@ _HELP = dict(
                            "or max_model_len without chunked prefill)",
     long_prefill_token_threshold="most tokens of one prompt in a step; 0: no cap (vLLM's default) "
                                  "(default: half the budget for a running prompt while another request waits)",
+    kv_cache_dtype="the KV cache's storage dtype: auto (the model's dtype), float16, bfloat16, fp8 (= fp8_e4m3), "
+                   "fp8_e4m3 or fp8_e5m2; fewer bytes per token hold more tokens",
     generation_config="sampling defaults: auto (the model's generation_config.json), vllm (none) or a folder",
     speculative_config=f"speculative decoding as JSON, e.g. '{_SPEC_EXAMPLE}'",
     hf_overrides="config.json fields to change before the model is built, as JSON, e.g. "
@@ -186,8 +188,7 @@ class EngineArgs:
     gpu_memory_utilization: float = knob(0.9, "share of the GPU's memory for weights, "
                                               "activations and the KV cache (GPU only)", _fraction, type=float)
     kv_cache_memory_bytes: int | None = knob(None, _HELP["kv_cache_memory_bytes"], _bytes, type=parse_size)
-    kv_cache_dtype: str = knob("auto", "the KV cache's storage dtype (auto: the model's)", one_of(KV_CACHE_DTYPES),
-                               choices=KV_CACHE_DTYPES)
+    kv_cache_dtype: str = knob("auto", _HELP["kv_cache_dtype"], one_of(KV_CACHE_DTYPES), choices=KV_CACHE_DTYPES)
     num_gpu_blocks_override: int | None = knob(None, "use exactly this many KV blocks (testing)",
                                                at_least(1, none="what the memory holds"), type=positive_int)
     enable_prefix_caching: bool = knob(True, "share the KV blocks of common prompt prefixes between requests",
@@ -251,8 +252,8 @@ def engine_args(who="LLM()", exclude=(), **kwargs) -> EngineArgs:
     return EngineArgs(**kwargs)
 
 # %% ../nbs/05a_engine_args.ipynb #fbd736bb
-VLLM_ONLY = dict(tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=1, kv_cache_dtype="auto",
-                 quantization=None, cpu_offload_gb=0, enable_lora=False)     # the only value pagednb honours
+VLLM_ONLY = dict(tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=1, quantization=None,
+                 cpu_offload_gb=0, enable_lora=False)     # the only value pagednb honours
 
 def check_vllm_only(name, v):
     "Raise `NotImplementedError` for a vLLM knob at a value that only vLLM serves."

@@ -18,7 +18,8 @@ import torch
 from fastcore.basics import patch
 from .model import NoCacheAttention
 from .block_manager import kv_cache_shape, compute_slot_mapping
-from .attention import store_kv, paged_attention, default_backend, TorchAttentionPlan
+from .attention import store_kv, paged_attention, default_backend, TorchAttentionPlan, kv_storage_dtype
+from .attention import check_kv_scale
 from .kv_cache import kv_bytes_per_token
 from .engine_args import check_knob
 from .hybrid_kv import kv_cache_groups, layer_slots, is_hybrid, max_concurrency, describe_groups
@@ -152,14 +153,23 @@ def layer_views(kv_cache, specs, groups) -> list:
     slots = layer_slots(groups)
     return [(kv_cache[0, j], kv_cache[1, j], g, specs[l], _kernel_kwargs(specs[l])) for l, (g, j) in sorted(slots.items())]
 
+# %% ../nbs/06_runner.ipynb #e667faa6
+def _layer_scales(name, scales, layers) -> list:
+    "Each layer's KV cache scale (`k_scale` or `v_scale`): 1.0 unless given, one finite number > 0 a layer."
+    if scales is None: return [1.0] * len(layers)
+    if len(scales) != len(layers): raise ValueError(f"{name} has {len(scales)} values for {len(layers)} layers")
+    return [check_kv_scale(f"{name}[{l}]", s) for l, s in enumerate(scales)]
+
 # %% ../nbs/06_runner.ipynb #paged-backend
 class PagedAttentionBackend:
     "Attention over the paged cache: K/V stored at the step's slots, read through its block tables."
-    def __init__(self, kv_cache, scale, backend=None, specs=None, groups=None):
+    def __init__(self, kv_cache, scale, backend=None, specs=None, groups=None, k_scales=None, v_scales=None):
         self.kv, self.scale, self.backend = kv_cache, scale, backend
         groups = groups or kv_cache_groups([None]*kv_cache.shape[1])
         specs = specs or [_default_attention(scale)]*kv_cache.shape[1]
         self.layers = layer_views(kv_cache, specs, groups)             # each layer's cache views, once
+        self.k_scales = _layer_scales("k_scale", k_scales, specs)        # 1.0 each, unless given
+        self.v_scales = _layer_scales("v_scale", v_scales, specs)
         self.inputs = self.path = self._step = None
         self.plans, self.kernels = {}, {}
 
@@ -169,6 +179,7 @@ def _prepare(self: PagedAttentionBackend, x, q, kc):
     "On a step's first layer: pick its path; each group's metadata is checked on its first layer."
     backend = self.backend or default_backend(kc.device)
     self._step, self.path, self._torch = x, attention_path(backend, q, kc), backend == "torch"
+    if self.path == "cpu" and {*self.k_scales, *self.v_scales} != {1.0}: self.path = "torch"   # C++: unscaled
     self.plans, self.kernels = {}, {}
     self._order = cpu_kernel_order(x.seq_lens, x.query_start_loc) if self.path == "cpu" else None
 
@@ -194,9 +205,11 @@ def __call__(self: PagedAttentionBackend, layer, q, k, v):
         kernel.store_kv(k, v, kc, vc)
         return kernel.attend(q, kc, vc, **kw)
     bt, slots = x.group(g)
-    store_kv(k, v, kc, vc, slots, backend=self.backend)
+    scales = dict(k_scale=self.k_scales[layer], v_scale=self.v_scales[layer])
+    store_kv(k, v, kc, vc, slots, backend=self.backend, **scales)
     return paged_attention(q, kc, vc, bt, x.seq_lens, x.query_start_loc, spec.scale, backend=self.backend,
-                           max_query_len=x.max_query_len, max_seq_len=x.max_seq_len, plan=self.plans.get(g), **kw)
+                           max_query_len=x.max_query_len, max_seq_len=x.max_seq_len, plan=self.plans.get(g), **kw,
+                           **scales)
 
 # %% ../nbs/06_runner.ipynb #2f18e467
 class KVPrefetcher:
@@ -269,8 +282,12 @@ def _layer_attention(cfg, layer):
 # %% ../nbs/06_runner.ipynb #e8e2f433
 class ModelRunner:
     "Runs the model over the paged KV cache for a step plan."
-    def __init__(self, model, num_blocks, block_size, attention_backend=None, pack_weights=None, groups=None):
+    def __init__(self, model, num_blocks, block_size, attention_backend=None, pack_weights=None, groups=None,
+                 kv_cache_dtype="auto", kv_scales=None):
         c, w = model.config, model.lm_head.weight
+        self.kv_dtype = kv_storage_dtype(kv_cache_dtype, w.dtype)       # what the pool holds (`04`)
+        # a pool not in float32 skips the C++ kernel (`attention_path`); Triton converts pages but takes no scales
+        if kv_scales is not None: attention_backend = "torch"
         self.model, self.block_size, self.device = model, block_size, w.device
         if pack_weights is None:
             pack_weights = can_pack(w) and os.environ.get("PAGEDNB_PACK_WEIGHTS", "1") != "0"
@@ -281,10 +298,12 @@ class ModelRunner:
         self.groups = groups or kv_cache_groups([None]*c.num_hidden_layers)   # `03a_hybrid_kv`
         shape = (2, len(self.groups[0].layers)) + pages
         on_cpu = w.device.type == "cpu"
-        if on_cpu: self.kv_cache = zeros_huge_pages(shape, w.dtype)
-        else: self.kv_cache = torch.zeros(shape, dtype=w.dtype, device=w.device)
+        if on_cpu: self.kv_cache = zeros_huge_pages(shape, self.kv_dtype)
+        else: self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=w.device)
         specs = [_layer_attention(c, l) for l in range(c.num_hidden_layers)]
-        self.attn = PagedAttentionBackend(self.kv_cache, c.head_dim**-0.5, attention_backend, specs, self.groups)
+        scales = kv_scales or (None, None)                               # per-layer (k_scales, v_scales)
+        self.attn = PagedAttentionBackend(self.kv_cache, c.head_dim**-0.5, attention_backend, specs, self.groups,
+                                          *scales)
         self.tables = [BlockTables() for _ in self.groups]         # block tables kept across steps, per group
         self.prefetch = KVPrefetcher(self.kv_cache) if on_cpu else None
         self.graphs = None                                         # decode graphs, on a GPU (below)
@@ -541,10 +560,11 @@ def _check_sizing(gpu_memory_utilization, kv_cache_memory_bytes, num_gpu_blocks_
 
 # %% ../nbs/06_runner.ipynb #fc8ea9af
 def num_kv_blocks(model, block_size, max_model_len, max_num_batched_tokens, gpu_memory_utilization=0.9,
-                  kv_cache_memory_bytes=None, num_gpu_blocks_override=None, layers_per_block=None, need_blocks=None):
+                  kv_cache_memory_bytes=None, num_gpu_blocks_override=None, layers_per_block=None, need_blocks=None,
+                  kv_dtype=None):
     "Number of KV pages for this model and device, and the bytes of one page (of `layers_per_block` layers)."
     c, w = model.config, model.lm_head.weight
-    per_layer = kv_bytes_per_token(c, w.element_size())//c.num_hidden_layers
+    per_layer = kv_bytes_per_token(c, kv_dtype or w.element_size())//c.num_hidden_layers   # the stored bytes
     block_bytes = per_layer*(layers_per_block or c.num_hidden_layers)*block_size
     _check_sizing(gpu_memory_utilization, kv_cache_memory_bytes, num_gpu_blocks_override)
     n = num_gpu_blocks_override

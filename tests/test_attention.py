@@ -234,7 +234,8 @@ def test_bad_store_args(backend):
     p = mixed()
     k, v, kc, vc, sm = p.key, p.value, p.k_cache, p.v_cache, p.slot_mapping
     run = lambda *a: store_kv(*a, backend=backend, debug=True)
-    cases = [((k, v.half(), kc, vc, sm), 'value has dtype'), ((k, v, kc.half(), vc, sm), 'k_cache has dtype'),
+    cases = [((k, v.half(), kc, vc, sm), 'value has dtype'), ((k, v, kc.half(), vc, sm), 'v_cache has dtype'),
+             ((k, v, kc.int(), vc.int(), sm), 'k_cache has dtype'),
              ((k[:, :1].contiguous(), v, kc, vc, sm), 'value has shape'),
              ((k[:, :1].contiguous(), v[:, :1].contiguous(), kc, vc, sm), 'key rows are'),
              ((k, v, kc, vc, sm[:-1]), 'slot_mapping has'), ((k, v, kc, vc, sm.float()), 'slot_mapping has dtype'),

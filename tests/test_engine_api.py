@@ -40,7 +40,7 @@ def test_vllm_knobs_accepted(parts):
     assert llm.generate(PROMPT, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
 
 @pytest.mark.parametrize("knob,value", [("tensor_parallel_size", 2), ("pipeline_parallel_size", 4),
-                                        ("kv_cache_dtype", "fp8"), ("quantization", "awq")])
+                                        ("data_parallel_size", 2), ("quantization", "awq")])
 def test_vllm_only_values_say_run_on_vllm(parts, knob, value):
     with pytest.raises(NotImplementedError, match=f"{knob}={value!r}.*run this on vLLM"):
         LLM(parts, log=False, **{knob: value})
