@@ -10,8 +10,8 @@ __all__ = ['MODELS', 'GPUS', 'CUDA_CONTEXT', 'GRAPH_BYTES', 'QUANT_BYTES', 'SIM_
            'model_config', 'layer_params', 'num_params', 'GPU', 'activation_bytes', 'vllm_capture_sizes',
            'cuda_graph_bytes', 'sizing_model', 'check_quantization', 'sim_args', 'sim_dtype', 'check_parallel',
            'shard_config', 'gpu_weight_bytes', 'CostModel', 'model_shape', 'step_features', 'cost_model', 'Simulator',
-           'vllm_flag', 'log_knobs', 'what_ifs', 'format_what_ifs', 'vllm_token_budget', 'log_gpu', 'fidelity',
-           'format_fidelity', 'SimRequest', 'prompt_tokens', 'Workload', 'offline', 'poisson', 'concurrent',
+           'kv_element_bytes', 'vllm_flag', 'log_knobs', 'what_ifs', 'format_what_ifs', 'vllm_token_budget', 'log_gpu',
+           'fidelity', 'format_fidelity', 'SimRequest', 'prompt_tokens', 'Workload', 'offline', 'poisson', 'concurrent',
            'rate_sweep', 'shared_prompt', 'seed_workload', 'SimEngine', 'SimulatedProposer', 'SimRun',
            'serving_metrics', 'plot_sweep', 'metrics_html', 'time_steps', 'fit_cost', 'cost_from_fit',
            'relative_errors', 'engine_knob_values', 'measure', 'validation_workloads', 'predicted_vs_measured',
@@ -26,6 +26,7 @@ import numpy as np
 from fastcore.basics import patch
 from .model import ModelConfig, DTYPES
 from .kv_cache import kv_bytes_per_token, sample_workload
+from .attention import kv_storage_dtype
 from .block_manager import kv_waste, memory_snapshot
 from .prefix_cache import make_block_manager
 from .scheduler import Scheduler, SchedulerConfig, Sequence, SequenceStatus
@@ -254,11 +255,12 @@ class CostModel:
         return self.overhead + self.overhead_per_seq*f["num_seqs"] + max(compute, memory) + comm
 
 # %% ../nbs/09a_capacity.ipynb #sim-7719a1c7
-def model_shape(cfg, dtype_bytes, weight_bytes=None, tp=1) -> dict:
+def model_shape(cfg, dtype_bytes, weight_bytes=None, tp=1, kv_bytes=None) -> dict:
     "A model's (or one TP shard's) per-step constants: matmul parameters, LM head, weight and KV bytes, all-reduces."
+    kv_bytes = kv_bytes or dtype_bytes                # bytes of one stored K or V element (`kv_cache_dtype`)
     body, head = cfg.num_hidden_layers*layer_params(cfg), cfg.vocab_size*cfg.hidden_size
     ring = 2*(tp - 1)/tp                         # a ring all-reduce sends and receives this share of the data
-    return dict(body=body, head=head, kv_bytes_per_token=kv_bytes_per_token(cfg, dtype_bytes), dtype_bytes=dtype_bytes,
+    return dict(body=body, head=head, kv_bytes_per_token=kv_bytes_per_token(cfg, kv_bytes), dtype_bytes=dtype_bytes,
                 attention=4*cfg.num_hidden_layers*cfg.num_attention_heads*cfg.head_dim,
                 weights=weight_bytes or (body + head)*dtype_bytes, allreduces=2*cfg.num_hidden_layers*(tp > 1),
                 allreduce_bytes_per_token=ring*2*cfg.num_hidden_layers*cfg.hidden_size*dtype_bytes)
@@ -319,7 +321,14 @@ def _shard(self: Simulator, b):
     self.shard = shard_config(self.config, tp, pp)
     self.weight_bytes = gpu_weight_bytes(self.shard, b, q, pp)
     whole = shard_config(self.config, tp)                # a step runs through every stage in turn
-    self.shape = model_shape(whole, b, gpu_weight_bytes(whole, b, q), tp)
+    self.kv_bytes = kv_element_bytes(a.kv_cache_dtype, b)
+    self.shape = model_shape(whole, b, gpu_weight_bytes(whole, b, q), tp, self.kv_bytes)
+
+# %% ../nbs/09a_capacity.ipynb #b96bfa47
+def kv_element_bytes(kv_cache_dtype, dtype_bytes) -> int:
+    "Bytes of one stored K or V element: the model's for `auto`, else the `kv_cache_dtype`'s (fp8: 1)."
+    if kv_cache_dtype == "auto": return dtype_bytes
+    return kv_storage_dtype(kv_cache_dtype, None).itemsize
 
 # %% ../nbs/09a_capacity.ipynb #sim-fc074d50
 @patch(as_prop=True)
@@ -360,13 +369,13 @@ def _size(self: Simulator):
     a, c, b, groups = self.args, self.sched_config, self.shape["dtype_bytes"], self.kv_groups
     bs, over, per_block = a.block_size, a.num_gpu_blocks_override, len(groups[0].layers)
     stand_in = sizing_model(self.shard, b, "cpu" if self.gpu is None else "cuda")
-    layer_bytes = kv_bytes_per_token(self.shard, b)//self.shard.num_hidden_layers
+    layer_bytes = kv_bytes_per_token(self.shard, self.kv_bytes)//self.shard.num_hidden_layers
     fit = self._gpu_blocks(layer_bytes*per_block*bs) if self.gpu is not None else None   # the GPU's memory too
     over = fit if over is None else over
     sizes = (a.gpu_memory_utilization, a.kv_cache_memory_bytes, over)
     need = need_blocks(groups, bs, c.max_model_len, c.max_num_batched_tokens)
     n, bb = num_kv_blocks(stand_in, bs, c.max_model_len, c.max_num_batched_tokens, *sizes,
-                          layers_per_block=per_block, need_blocks=need)
+                          layers_per_block=per_block, need_blocks=need, kv_dtype=self.kv_bytes)
     self.num_blocks, self.block_bytes = n, bb
     self.kv_line = grouped_kv_line(n, bs, bb, c.max_model_len, c.max_num_batched_tokens, groups)
     self.memory_line = self._memory_line()
@@ -391,7 +400,7 @@ def memory(self: Simulator) -> dict:
     c, bs, a = self.sched_config, self.args.block_size, self.args
     act = self.gpu_memory.activations if self.gpu else None
     n = a.tensor_parallel_size*a.pipeline_parallel_size
-    kv, per_token = self.num_blocks*self.block_bytes, kv_bytes_per_token(self.shard, self.shape["dtype_bytes"])
+    kv, per_token = self.num_blocks*self.block_bytes, kv_bytes_per_token(self.shard, self.kv_bytes)
     return dict(device=self.device, total=self.gpu.memory if self.gpu else None, weights=self.weight_bytes,
                 activations=act, kv_bytes=kv, num_blocks=self.num_blocks, block_size=bs,
                 kv_tokens=self.num_blocks*bs, kv_bytes_per_token=per_token,
@@ -539,7 +548,6 @@ def _skip(side):
     if side.get("cpu"): return "vLLM's CPU backend: its KV cache is the VLLM_CPU_KVCACHE_SPACE it is given"
     if not side.get("model"): return "the log does not name its model"
     if knobs.get("data_parallel_size", 1) > 1: return "data parallel with expert parallel: not modelled"
-    if knobs.get("kv_cache_dtype", "auto") != "auto": return "kv_cache_dtype=fp8: not in the simulator yet"
     if side.get("moe"): return "a MoE model: the simulator does not count experts' weights yet"
     if "Vision" in model or "-VL-" in model: return "a vision model: its encoder's profiling is not modelled"
     if model not in LOG_MODELS: return f"{model}: its config.json is not in the simulator's table"
@@ -701,6 +709,7 @@ class SimEngine:
     def __init__(self, sim):
         a = sim.args
         self.sim, self.sched_config, self.model_config = sim, sim.sched_config, sim.config
+        self.args, self.kv_bytes_per_token = a, sim.memory["kv_bytes_per_token"]
         windows = [g.window for g in sim.kv_groups]
         self.block_manager = make_block_manager(sim.num_blocks, a.block_size, a.enable_prefix_caching,
                                                 windows=windows)

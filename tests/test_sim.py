@@ -215,7 +215,18 @@ def test_vllm_command_exact_text():
 
 def test_vllm_only_knobs_the_simulator_does_not_model_still_fail():
     with pytest.raises(NotImplementedError, match="data_parallel_size"): L3(data_parallel_size=2)
-    with pytest.raises(NotImplementedError, match="kv_cache_dtype"): L3(kv_cache_dtype="fp8")
+
+def test_kv_cache_dtype_sizes_the_pool_and_reads_fewer_bytes():
+    bf16, fp8 = L3(), L3(kv_cache_dtype="fp8")
+    assert bf16.memory["kv_bytes_per_token"] == 32*8*128*2*2 == 2*fp8.memory["kv_bytes_per_token"]
+    assert fp8.memory["kv_bytes"] == bf16.memory["kv_bytes"] or abs(fp8.memory["kv_bytes"] - bf16.memory["kv_bytes"]) \
+        < fp8.block_bytes                                    # the same bytes, in blocks half the size
+    assert fp8.memory["num_blocks"] in (2*bf16.memory["num_blocks"], 2*bf16.memory["num_blocks"] + 1)
+    assert L3(kv_cache_dtype="bfloat16").memory == bf16.memory        # the model's own dtype: nothing changes
+    # the cost model reads half the KV bytes: one decode step over 64 sequences of 4,000 tokens is cheaper
+    batch = [(1, 4000)]*64
+    t = [S.step_features(x.shape, batch, 64)["bytes"] for x in (bf16, fp8)]
+    assert t[1] < t[0]
 
 def test_cuda_graph_memory_comes_off_the_kv_budget_unless_enforce_eager():
     sizes = S.vllm_capture_sizes()
@@ -259,5 +270,5 @@ def test_fidelity_predicts_published_logs_kv_cache_and_says_what_it_skips():
     assert "does not name its model" in rows["v1_fp8kv_len100k"]["skipped"]
     assert "does not name its GPU" in rows["v1_qwen3-32b_tp2_journald"]["skipped"]
     assert "MoE" in rows["v1_qwen3-235b-a22b-fp8_4xh100_tp4"]["skipped"]
-    assert "kv_cache_dtype" in rows["v1_deepseek-v4-flash_2xgh200_tp2_too_long"]["skipped"]
+    assert "MoE" in rows["v1_deepseek-v4-flash_2xgh200_tp2_too_long"]["skipped"]      # fp8 KV, but MoE and MLA
     assert "not sized:" in S.format_fidelity(list(rows.values()))
