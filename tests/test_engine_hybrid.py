@@ -11,7 +11,7 @@ from helpers import tiny_hybrid_model, HYBRID_FAMILIES
 MAX_NEW = 40
 LENGTHS = (7, 29, 53, 90)                        # from under one window to several windows long
 
-@pytest.fixture(scope="module", params=list(HYBRID_FAMILIES))
+@pytest.fixture(scope="module")
 def family(request, tmp_path_factory):
     "A tiny random model of the family, its engine parts, prompts, and HF's greedy continuations."
     path = tmp_path_factory.mktemp(request.param)
@@ -55,7 +55,18 @@ CASES = {
                                                                "num_layers": 2, "num_speculative_tokens": 3}),
 }
 
-@pytest.mark.parametrize("case", list(CASES))
+# every family under the defaults; each other case on the families that exercise it most (windows that span one
+# layer group or all layers, Qwen's max_window_layers, Gemma's soft caps and local RoPE), so that every case meets
+# a model with windows on some layers and one with windows on all or on the later ones
+SPREAD = {"block_size_4": ("qwen2_swa", "gemma2", "mistral_swa"), "block_size_32": ("qwen2_layer_types", "gemma3"),
+          "prefix_caching_off": ("qwen3_swa", "gemma2"), "chunks_16": ("qwen2_swa", "gemma3", "mistral_swa"),
+          "preemption": ("qwen2_layer_types", "gemma2", "mistral_swa"), "ngram": ("qwen3_swa", "gemma3"),
+          "draft_model": ("qwen2_swa", "gemma2")}
+
+PAIRS = [(f, "defaults") for f in HYBRID_FAMILIES] + [(f, c) for c, fs in SPREAD.items() for f in fs]
+PAIRS.sort(key=lambda p: list(HYBRID_FAMILIES).index(p[0]))          # one family's model is built once
+
+@pytest.mark.parametrize("family,case", PAIRS, indirect=["family"])
 def test_greedy_matches_hf(family, case):
     name, parts, prompts, ref = family
     kw = dict(CASES[case])
