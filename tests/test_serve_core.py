@@ -296,10 +296,13 @@ def test_slow_bodies_closed_and_connections_capped(model_dir):
         assert httpx.post(s.url + "/v1/completions", json=GOOD, timeout=60).status_code == 200
     finally: s.stop()
 
+STREAM_TOKENS = 480          # the tiny model writes them in about a second on a fast machine: long enough to be cut
+
 def _stream_tokens(url, started):
-    "Stream a 120-token completion; the number of text chunks before [DONE] and the last finish_reason."
+    "Stream a `STREAM_TOKENS`-token completion; the number of text chunks before [DONE] and the last finish_reason."
     chunks, finish = 0, None
-    with httpx.stream("POST", url + "/v1/completions", json=dict(GOOD, max_tokens=120, stream=True), timeout=120) as r:
+    body = dict(GOOD, max_tokens=STREAM_TOKENS, stream=True)
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
         for line in r.iter_lines():
             started.set()
             if line.startswith("data: {"):
@@ -307,6 +310,14 @@ def _stream_tokens(url, started):
                 chunks, finish = chunks + 1, c["finish_reason"] or finish
             if line == "data: [DONE]": return chunks, finish
     return chunks, "cut"
+
+def _wait_for_draining(url, limit=10.0):
+    "Poll /health every 5 ms until it stops answering 200 (the server is draining), at most `limit` seconds."
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < limit:
+        if httpx.get(url + "/health", timeout=5).status_code != 200: return
+        time.sleep(0.005)
+    raise AssertionError(f"the server still answered /health with 200 {limit} s after the stop signal")
 
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGINT"])
 def test_graceful_shutdown_drains_streams(model_dir, how):
@@ -320,11 +331,11 @@ def test_graceful_shutdown_drains_streams(model_dir, how):
             streams = [ex.submit(_stream_tokens, s.url, e) for e in started]
             for e in started: assert e.wait(60)
             s.p.send_signal(getattr(signal, how))
-            time.sleep(0.5)
+            _wait_for_draining(s.url)             # the signal is handled: the server refuses new work from here on
             late = httpx.post(s.url + "/v1/completions", json=GOOD, timeout=30)
             done = [f.result() for f in streams]
         assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down", late.text
-        assert done == [(120, "length")] * 4, done
+        assert done == [(STREAM_TOKENS, "length")] * 4, done
         assert s.p.wait(60) == 0, s.output()
         assert left_behind(s.family) == [], [p.cmdline() for p in s.family if p.is_running()]
         print(f"\n{how}: 4 in-flight streams finished whole, a new request got 503, exit status 0")
