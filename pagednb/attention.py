@@ -1047,7 +1047,12 @@ def check_triton_device(device, dtype):
                         f"bfloat16 needs compute capability 8.0 (Ampere) or newer. Use torch.float16 on this GPU.")
 
 # %% ../nbs/04_paged_attention.ipynb #1ca98f50
-def _check_triton_cache(x, k_cache, k_scale, v_scale):
+def _check_scales(k_scale, v_scale):
+    "Check a call's `k_scale` and `v_scale` (each a finite number > 0); 1.0, the default, needs no check."
+    if k_scale != 1.0: check_kv_scale("k_scale", k_scale)
+    if v_scale != 1.0: check_kv_scale("v_scale", v_scale)
+
+def _check_triton_cache(k_scale, v_scale):
     "The Triton kernels read a cache of any `kv_cache_dtype`, converting in registers, but with scales 1.0 only."
     if k_scale == 1.0 and v_scale == 1.0: return
     raise NotImplementedError(f"backend='triton' reads KV caches with k_scale = v_scale = 1.0 only, got "
@@ -1057,10 +1062,10 @@ def _check_triton_cache(x, k_cache, k_scale, v_scale):
 def store_kv(key, value, k_cache, v_cache, slot_mapping, backend=None, *, debug=None, k_scale=1.0, v_scale=1.0):
     "Write each token's K and V row into the paged cache at `slot_mapping[t]` (as `x / scale`); slot -1 is skipped."
     backend = _resolve_backend(backend, key.device if isinstance(key, torch.Tensor) else 'cpu')
-    if k_scale != 1.0 or v_scale != 1.0: check_kv_scale("k_scale", k_scale), check_kv_scale("v_scale", v_scale)
+    _check_scales(k_scale, v_scale)
     if backend == 'torch': return store_kv_torch(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     check_store_args(key, value, k_cache, v_cache, slot_mapping)
-    _check_triton_cache(key, k_cache, k_scale, v_scale)
+    _check_triton_cache(k_scale, v_scale)
     key, value = quantize_kv(key, k_cache.dtype), quantize_kv(value, v_cache.dtype)     # saturating, as on torch
     check_triton_device(key.device, key.dtype)
     if _debug(debug): check_slots(slot_mapping, k_cache.shape[0] * k_cache.shape[1])
@@ -1080,14 +1085,14 @@ def paged_attention(query, k_cache, v_cache, block_tables, seq_lens, query_start
                     plan=None, sliding_window=None, softcap=None, k_scale=1.0, v_scale=1.0):
     "Varlen causal attention over the paged K/V cache (last `sliding_window` keys, scores soft-capped at `softcap`)."
     backend = _resolve_backend(backend, query.device if isinstance(query, torch.Tensor) else 'cpu')
-    if k_scale != 1.0 or v_scale != 1.0: check_kv_scale("k_scale", k_scale), check_kv_scale("v_scale", v_scale)
+    _check_scales(k_scale, v_scale)
     if backend == 'torch':
         return paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                                      plan=plan, sliding_window=sliding_window, softcap=softcap, k_scale=k_scale,
                                      v_scale=v_scale)
     H, kvh, D, bs = check_attention_args(query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
                                          scale)
-    _check_triton_cache(query, k_cache, k_scale, v_scale)
+    _check_triton_cache(k_scale, v_scale)
     check_window_args(sliding_window, softcap)
     _check_triton_shape(D, bs)
     check_triton_device(query.device, query.dtype)

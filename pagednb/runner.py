@@ -170,6 +170,7 @@ class PagedAttentionBackend:
         self.layers = layer_views(kv_cache, specs, groups)             # each layer's cache views, once
         self.k_scales = _layer_scales("k_scale", k_scales, specs)        # 1.0 each, unless given
         self.v_scales = _layer_scales("v_scale", v_scales, specs)
+        self.scaled = {*self.k_scales, *self.v_scales} != {1.0}           # the C++ kernel reads unscaled caches only
         self.inputs = self.path = self._step = None
         self.plans, self.kernels = {}, {}
 
@@ -179,7 +180,7 @@ def _prepare(self: PagedAttentionBackend, x, q, kc):
     "On a step's first layer: pick its path; each group's metadata is checked on its first layer."
     backend = self.backend or default_backend(kc.device)
     self._step, self.path, self._torch = x, attention_path(backend, q, kc), backend == "torch"
-    if self.path == "cpu" and {*self.k_scales, *self.v_scales} != {1.0}: self.path = "torch"   # C++: unscaled
+    if self.path == "cpu" and self.scaled: self.path = "torch"            # C++: unscaled caches only
     self.plans, self.kernels = {}, {}
     self._order = cpu_kernel_order(x.seq_lens, x.query_start_loc) if self.path == "cpu" else None
 
