@@ -16,6 +16,7 @@ from .bench import (VLLM_ENV, _workload, bench_chunked, bench_host, bench_prefix
                            format_throughput, load_hf, machine_info, profile_pagednb)
 from .bench_serving import GUIDELLM_ENV, GUIDELLM_SWEEP, bench_guidellm, find_guidellm, format_guidellm
 from .engine_args import EngineArgs, add_cli_args, check_engine_runs, from_cli_args
+from .replay import add_replay_args, bench_replay, format_replay, replay_json_lines, replay_options
 from .model import load_model
 
 # %% ../nbs/09f_bench_cli.ipynb #90c2671f
@@ -38,11 +39,13 @@ BENCHMARKS = {
     "guidellm-sweep": lambda ctx: bench_guidellm(ctx["guidellm"], ctx["vllm_python"], ctx["model"],
                                                  ctx["threads"], ctx["quick"], apis=("chat",),
                                                  loads=GUIDELLM_SWEEP, knobs=_knobs(ctx)),
+    "replay": lambda ctx: bench_replay(ctx["replay"], ctx["vllm_python"], ctx["model"], ctx["threads"],
+                                       knobs=_knobs(ctx), on_run=lambda s: _log(json.dumps(s))),
 }
 DEFAULT_BENCHMARKS = ("throughput", "prefix", "chunked", "spec")
 FORMATTERS = dict(throughput=format_throughput, prefix=format_prefix, chunked=format_chunked,
                   profile=format_profile, spec=format_spec, guidellm=format_guidellm, host=format_host)
-FORMATTERS["guidellm-sweep"] = format_guidellm
+FORMATTERS["guidellm-sweep"], FORMATTERS["replay"] = format_guidellm, format_replay
 
 # %% ../nbs/09f_bench_cli.ipynb #f9be46e5
 def format_report(report) -> str:
@@ -68,16 +71,17 @@ def _check_only(only, threads):
 # %% ../nbs/09f_bench_cli.ipynb #dea57fa7
 def run_benchmarks(only=DEFAULT_BENCHMARKS, quick=False, threads=None, vllm_python=None, hf=True,
                    hf_batch_size=16, repeats=None, chunk_budget=None, model=None, num_requests=None,
-                   system_len=None, long_len=None, parts=None, guidellm=None, engine=None):
+                   system_len=None, long_len=None, parts=None, guidellm=None, engine=None, replay=None):
     "Run the named benchmarks in one process and return a report: the machine, the versions, and each result."
     _check_only(only, threads)
     threads = torch.get_num_threads()
-    if parts is None and set(only) - {"guidellm", "guidellm-sweep", "host"}:
+    if parts is None and set(only) - {"guidellm", "guidellm-sweep", "host", "replay"}:
         parts = load_model(model)
     hf_model = load_hf(model) if hf and "throughput" in only else None
     ctx = dict(parts=parts, hf=hf_model, vllm_python=vllm_python, threads=threads,
                hf_batch_size=hf_batch_size, quick=quick, repeats=repeats, chunk_budget=chunk_budget,
-               system_len=system_len, long_len=long_len, guidellm=guidellm, model=model, engine=engine or {})
+               system_len=system_len, long_len=long_len, guidellm=guidellm, model=model, engine=engine or {},
+               replay=replay)
     if num_requests: ctx["workload"] = _workload(quick, num_requests)
     dtype = str(parts[0].lm_head.weight.dtype).replace("torch.", "") if parts else "float32"
     report = dict(pagednb=getattr(pagednb, "__version__", "?"),
@@ -117,6 +121,7 @@ def make_parser(prog="pagednb bench"):
     p.add_argument("--hf-batch-size", type=int, default=16,
                    help="static batch size for Hugging Face generate (default 16)")
     _add_sizes(p)
+    add_replay_args(p)
     p.add_argument("--model", default=None,
                    help="a local Hugging Face folder (default: the embedded SmolLM2-135M-Instruct)")
     return add_cli_args(p, defaults=False)          # every engine knob, given only where set
@@ -164,6 +169,8 @@ def _parse(p, argv):
     wants_guidellm = a.guidellm or any(b.startswith("guidellm") for b in only)
     try: guidellm = find_guidellm(a.guidellm) if wants_guidellm else None
     except FileNotFoundError as e: p.error(str(e))
+    try: a.replay = replay_options(a) if "replay" in only else None
+    except ValueError as e: p.error(str(e))
     return a, only, vllm, guidellm
 
 # %% ../nbs/09f_bench_cli.ipynb #8f3cc664
@@ -174,8 +181,10 @@ def main(argv=None):
         _log(f"pagednb bench: vLLM not configured (--vllm-python or ${VLLM_ENV}); it is skipped")
     report = run_benchmarks(only, a.quick, a.threads, vllm, not a.no_hf, a.hf_batch_size, a.repeats,
                             a.chunk_budget, a.model, a.num_requests, a.system_len, a.long_len,
-                            guidellm=guidellm, engine=from_cli_args(a))
+                            guidellm=guidellm, engine=from_cli_args(a), replay=a.replay)
     if a.save:
         with open(a.save, "w") as f: json.dump(report, f, indent=1)
-    print(json.dumps(report, indent=1) if a.json else format_report(report), flush=True)
+    text = json.dumps(report, indent=1) if a.json else format_report(report)
+    if a.json and only == ("replay",): text = replay_json_lines(report["results"]["replay"])   # a line a run
+    print(text, flush=True)
     return report

@@ -149,6 +149,11 @@ def test_serving_benchmarks_sit_on_the_offline_ones():
     check(importers_of(["bench_serving"], ["bench_cli", *SERVER]),
           "bench_serving starts servers as subprocesses: it imports no bench_cli and no server room (bench below it)")
 
+def test_the_replayer_is_a_client():
+    check(importers_of(["replay"], [*SERVER, "bench_cli"]),
+          "replay talks to servers over HTTP (and starts them as subprocesses through bench_serving): it imports no "
+          "server room and no bench_cli")
+
 def test_only_the_cli_imports_the_bench_command_line():
     check(importers_of([m for m in MODULES if m != "cli"], ["bench_cli"]),
           "bench_cli (the command line over bench and bench_serving) is imported by cli alone")
@@ -205,8 +210,8 @@ FLOORS = {   # floor -> the modules on it, as ARCHITECTURE.md draws them
     4: ["cpu_ops", "compare_views", "attention_views"],
     5: ["runner"], 6: ["spec_decode"], 7: ["engine"],
     8: ["core", "live_engine", "bench", "sim", "puzzles"],
-    9: ["core_client", "widgets", "sim_views", "bench_serving"], 10: ["serving", "bench_cli"], 11: ["serve"],
-    12: ["cli"],
+    9: ["core_client", "widgets", "sim_views", "bench_serving"], 10: ["serving", "replay"],
+    11: ["serve", "bench_cli"], 12: ["cli"],
 }
 FLOOR = {m: f for f, ms in FLOORS.items() for m in ms}
 
