@@ -7,9 +7,9 @@ Docs: https://pagednb.github.io/pagednb/replay.html.md"""
 # %% auto #0
 __all__ = ['SALT', 'NOT_SENT', 'INCOMPLETE', 'VLLM_REPLAY_FLAGS', 'RUN_KEYS', 'chat_workload', 'check_url', 'request_body',
            'check_replay', 'offered_rate', 'RequestResult', 'StubServer', 'Replay', 'replay', 'Target', 'request_itl',
-           'summarize', 'search_rate', 'sweep_replay', 'plot_attainment', 'serve_and_sweep', 'side_by_side',
-           'format_replay', 'add_replay_args', 'replay_options', 'load_workload', 'one_run', 'bench_replay',
-           'replay_json_lines']
+           'summarize', 'search_rate', 'default_rates', 'sweep_replay', 'plot_attainment', 'serve_and_sweep', 'warm_up',
+           'fit_workload', 'side_by_side', 'format_replay', 'add_replay_args', 'replay_options', 'load_workload',
+           'one_run', 'bench_replay', 'replay_json_lines']
 
 # %% ../nbs/09h_replay.ipynb #rp-imports
 import asyncio, concurrent.futures, ipaddress, json, math, os, random, re, threading, time
@@ -355,11 +355,17 @@ def search_rate(measure, rates, share=0.9, bisect=2) -> dict:
     return dict(goodput_rps=round(lo or 0.0, 4), bracket=[lo, hi], share=share, points=points)
 
 # %% ../nbs/09h_replay.ipynb #rp-sweep
+def default_rates(workload, max_requests=None) -> list:
+    "A quarter to four times the workload's own offered rate: the sweep when no rates are given."
+    base = offered_rate(check_replay(workload, 1.0, max_requests))
+    if math.isinf(base): raise ValueError(f"{workload.name}: every request arrives at once, so it has no rate to scale")
+    return [round(base * f, 4) for f in (0.25, 0.5, 1, 2, 4)]
+
 def sweep_replay(workload, url, target=Target(), rates=None, bisect=2, on_run=None, **kw) -> dict:
     "Replay `workload` at each of `rates` (default: 1/4 to 4 times its own), then bisect: `search_rate`'s result."
     base = offered_rate(check_replay(workload, 1.0, kw.get("max_requests")))
     if math.isinf(base): raise ValueError(f"{workload.name}: every request arrives at once, so it has no rate to scale")
-    rates, salts = rates or [round(base * f, 4) for f in (0.25, 0.5, 1, 2, 4)], iter(range(SALT, 1 << 30))
+    rates, salts = rates or default_rates(workload, kw.get("max_requests")), iter(range(SALT, 1 << 30))
     def measure(rate):
         s = summarize(replay(workload, url, time_scale=base / rate, salt=next(salts), **kw), target)
         if on_run: on_run(s)
@@ -392,21 +398,33 @@ def serve_and_sweep(engine, workload, target=Target(), rates=None, python=None, 
     if engine == "vllm": sp.cmd += VLLM_REPLAY_FLAGS
     try:
         with sp as s:
-            sweep = sweep_replay(workload, s.url, target, rates, model=SERVED_NAME, **kw)
+            warm_up(s.url)
+            sweep = sweep_replay(fit_workload(workload, max_model_len), s.url, target, rates, model=SERVED_NAME, **kw)
             return dict(sweep, engine=engine, server_start_s=s.start_s)
     except RuntimeError as e: return dict(engine=engine, skipped=str(e))
+
+# %% ../nbs/09h_replay.ipynb #rp-warm
+def warm_up(url, n=2):
+    "`n` short requests before the clock, with a salt of their own: a server's first steps are slower than the rest."
+    replay(Workload([SimRequest(32, 4, 0.0) for _ in range(n)]), url, salt=SALT - 1, deadline=120)
+
+def fit_workload(workload, max_model_len) -> Workload:
+    "The requests of `workload` whose prompt and output fit in `max_model_len` (the same for both servers)."
+    fit = [q for q in workload.requests if q.prompt_len + q.output_len <= max_model_len]
+    cut = len(workload.requests) - len(fit)
+    return Workload(fit, name=workload.name + (f" ({cut} longer than {max_model_len} tokens left out)" if cut else ""))
 
 # %% ../nbs/09h_replay.ipynb #rp-sbs
 def side_by_side(workload, target=Target(), rates=None, vllm_python=None, **kw) -> dict:
     "`pagednb serve`, then `vllm serve` (if a vLLM venv is given or set), swept on the same workload and target."
-    vllm_python = find_vllm_python(vllm_python)
-    base = offered_rate(check_replay(workload, 1.0, kw.get("max_requests")))
-    rates = rates or [round(base * f, 4) for f in (0.25, 0.5, 1, 2, 4)]          # the same rates for both
-    servers = {"pagednb serve": serve_and_sweep("pagednb", workload, target, rates, **kw)}
+    vllm_python, knobs = find_vllm_python(vllm_python), kw.pop("knobs", None)
+    kw["max_model_len"] = (knobs or {}).get("max_model_len", kw.get("max_model_len", 2048))     # the same for both
+    workload = fit_workload(workload, kw["max_model_len"])
+    rates = rates or default_rates(workload, kw.get("max_requests"))                             # the same for both
+    servers = {"pagednb serve": serve_and_sweep("pagednb", workload, target, rates, knobs=knobs, **kw)}
     why = "no vLLM venv: pass --vllm-python PATH or set $PAGEDNB_VLLM_PYTHON"
-    kw.pop("knobs", None)                                                        # vLLM keeps its own defaults
-    servers["vllm serve"] = (serve_and_sweep("vllm", workload, target, rates, python=vllm_python, **kw)
-                             if vllm_python else dict(engine="vllm", skipped=why))
+    vllm = serve_and_sweep("vllm", workload, target, rates, python=vllm_python, **kw) if vllm_python else None
+    servers["vllm serve"] = vllm or dict(engine="vllm", skipped=why)                   # vLLM keeps its own defaults
     return dict(workload=workload.describe(), target=asdict(target), machine=machine_info(), servers=servers)
 
 # %% ../nbs/09h_replay.ipynb #rp-format
@@ -429,7 +447,8 @@ def format_replay(result) -> str:
 def add_replay_args(p):
     "The options of `pagednb bench --only replay`: the workload, the server, the target and the sweep."
     g = p.add_argument_group("replay (--only replay)")
-    g.add_argument("--trace", help="a Mooncake-format JSONL trace (default: a built-in multi-turn chat workload)")
+    g.add_argument("--trace", help="a Mooncake-format JSONL trace, or 'mooncake': the conversation trace shipped "
+                                   "with pagednb (default: a built-in multi-turn chat workload)")
     g.add_argument("--url", help="replay against this OpenAI-compatible server (default: start pagednb serve, "
                                  "then vllm serve, and sweep both)")
     g.add_argument("--allow-remote", action="store_true", help="allow a --url that is not on this machine")
@@ -465,7 +484,8 @@ def replay_options(a) -> dict:
         for k in ("time_scale", "deadline", "length_scale", "max_requests", "sample"): _number(k, getattr(a, k))
         if a.bisect < 0: raise ValueError(f"bisect={a.bisect} is invalid: it must be >= 0")
     except ValueError as e: raise ValueError(f"{flags[str(e).split('=')[0]]}: {e}") from None
-    if a.trace and not os.path.exists(a.trace): raise ValueError(f"--trace {a.trace}: no such file")
+    if a.trace not in (None, "mooncake") and not os.path.exists(a.trace):
+        raise ValueError(f"--trace {a.trace}: no such file (give a Mooncake-format JSONL file, or 'mooncake')")
     if a.url: check_url(a.url, a.allow_remote)
     sizes = dict(max_requests=a.max_requests, sample=a.sample, length_scale=a.length_scale)
     return dict(trace=a.trace, url=a.url, allow_remote=a.allow_remote, target=target, rates=_rates(a.rates),
@@ -473,10 +493,11 @@ def replay_options(a) -> dict:
 
 # %% ../nbs/09h_replay.ipynb #rp-load
 def load_workload(trace=None, max_requests=None, sample=None, length_scale=1.0, seed=0) -> Workload:
-    "The workload of `--trace` (read by `sim.load_trace`), else the multi-turn chats (`chat_workload`)."
+    "The workload of `--trace` (`mooncake`: the trace shipped with pagednb), else the multi-turn chats."
     if trace is None: return chat_workload(sessions=8, turns=4, system_len=128, user_len=48, output_len=32)
-    load = getattr(sim, "load_trace", None)
-    if load is None:
+    load, shipped = getattr(sim, "load_trace", None), getattr(sim, "mooncake_trace_path", None)
+    if trace == "mooncake" and shipped: trace = shipped()
+    if load is None or trace == "mooncake":
         raise NotImplementedError("--trace needs pagednb.sim.load_trace, the trace reader, which this pagednb "
                                   "lacks: update pagednb, or replay the built-in chat workload (no --trace)")
     return load(trace, max_requests=max_requests, sample=sample, seed=seed, length_scale=length_scale)

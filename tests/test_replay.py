@@ -155,3 +155,19 @@ def test_trace_prefixes_reach_the_server(tmp_path):
         replay(w, stub.url)
         p = [body["prompt"] for _, body in sorted(stub.received, key=lambda x: x[0])]
     assert common(p[0], p[1]) >= 32 and common(p[0], p[2]) < 16
+
+def test_side_by_side_gives_both_servers_the_same_rates_and_length(monkeypatch):
+    "The two servers get the same rates, the same context length and workload; engine knobs reach pagednb only."
+    from pagednb import replay as R
+    calls = []
+    monkeypatch.setattr(R, "serve_and_sweep", lambda engine, w, t, rates, **kw: calls.append((engine, w, rates, kw)) or
+                        dict(engine=engine, goodput_rps=1.0, bracket=[1, 2], points=[]))
+    w = Workload([SimRequest(8, 2, 0.5 * i) for i in range(4)] + [SimRequest(5000, 2, 2.0)])
+    out = R.side_by_side(w, Target(), vllm_python=R.__file__, knobs=dict(max_model_len=1024, block_size=32))
+    (e1, w1, r1, kw1), (e2, w2, r2, kw2) = calls
+    assert (e1, e2) == ("pagednb", "vllm") and r1 == r2 and len(r1) == 5 and w1 is w2 and len(w1) == 4
+    assert kw1["max_model_len"] == kw2["max_model_len"] == 1024
+    assert kw1["knobs"]["block_size"] == 32 and "knobs" not in kw2
+    assert set(out["servers"]) == {"pagednb serve", "vllm serve"}
+    monkeypatch.setattr(R, "find_vllm_python", lambda p: None)
+    assert "skipped" in R.side_by_side(w, Target())["servers"]["vllm serve"]
