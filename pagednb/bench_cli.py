@@ -100,7 +100,7 @@ def make_parser(prog="pagednb bench"):
     p = argparse.ArgumentParser(prog=prog, description=(
         "Benchmark pagednb side by side with Hugging Face generate and vLLM CPU: offline throughput, "
         "prefix caching, chunked prefill, speculative decoding, a profile of an engine step, "
-        "and serving under GuideLLM against vllm serve."))
+        "serving under GuideLLM against vllm serve, and goodput on a replayed trace."))
     p.add_argument("--only", default=",".join(DEFAULT_BENCHMARKS),
                    help=f"comma-separated benchmarks to run, from {', '.join(BENCHMARKS)} "
                         f"(default: {','.join(DEFAULT_BENCHMARKS)})")
