@@ -208,7 +208,7 @@ async def _complete(self: StubServer, body, writer):
 
 # %% ../nbs/09h_replay.ipynb #rp-send
 async def _send(client, base, body, r, t0):
-    "Sleep until `r.due` s after `t0`, send `body`, and fill `r` from the SSE stream."
+    "Sleep until `r.due` s after `t0`, send `body`, and fill `r` from the SSE stream (it ends at `[DONE]`)."
     await asyncio.sleep(max(0.0, t0 + r.due - time.perf_counter()))
     start = time.perf_counter()
     r.sent = start - t0
@@ -217,9 +217,10 @@ async def _send(client, base, body, r, t0):
             r.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:300]}"
             return
         async for line in resp.aiter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                r.take(json.loads(line[len("data: "):]), time.perf_counter() - start)
-    r.latency = time.perf_counter() - start
+            if line == "data: [DONE]": r.latency = time.perf_counter() - start
+            elif line.startswith("data: "): r.take(json.loads(line[len("data: "):]), time.perf_counter() - start)
+    if r.latency is None: r.error = r.error or "the stream ended before data: [DONE]"
+
 
 # %% ../nbs/09h_replay.ipynb #rp-one
 async def _one(client, base, body, r, t0):

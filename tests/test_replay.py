@@ -89,8 +89,8 @@ def test_goodput_search_known_answer():
 
 def test_sweep_against_a_server_that_slows():
     w = Workload([SimRequest(16, 3, 0.1 * i) for i in range(8)])
-    with StubServer(ttft=lambda busy: 0.03 * busy, itl=0.002) as stub:
-        g = sweep_replay(w, stub.url, Target(ttft=0.08, itl=0.05), rates=[2, 200], bisect=0)
+    with StubServer(ttft=lambda busy: 0.2 * busy, itl=0.002) as stub:          # alone: 0.2 s, 0.1 s inside the target
+        g = sweep_replay(w, stub.url, Target(ttft=0.3, itl=0.05), rates=[2, 200], bisect=0)
     assert [p["attainment"] for p in g["points"]][0] == 1.0 and g["points"][-1]["attainment"] < 0.9
     assert g["goodput_rps"] == 2
 
@@ -171,3 +171,12 @@ def test_side_by_side_gives_both_servers_the_same_rates_and_length(monkeypatch):
     assert set(out["servers"]) == {"pagednb serve", "vllm serve"}
     monkeypatch.setattr(R, "find_vllm_python", lambda p: None)
     assert "skipped" in R.side_by_side(w, Target())["servers"]["vllm serve"]
+
+def test_a_stream_cut_short_is_an_error():
+    "A stream that ends without `data: [DONE]` (a server that died mid-answer) is errored, not completed."
+    class Dies(StubServer):
+        async def _complete(self, body, writer):
+            writer.write(b"HTTP/1.1 200 -\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n"
+                         b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n')
+    with Dies() as stub: s = summarize(replay(Workload([SimRequest(8, 4)]), stub.url))
+    assert (s["errored"], s["completed"]) == (1, 0) and "[DONE]" in s["first_error"]
