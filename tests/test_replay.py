@@ -180,3 +180,10 @@ def test_a_stream_cut_short_is_an_error():
                          b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n')
     with Dies() as stub: s = summarize(replay(Workload([SimRequest(8, 4)]), stub.url))
     assert (s["errored"], s["completed"]) == (1, 0) and "[DONE]" in s["first_error"]
+
+def test_trace_reader_missing_is_named():
+    "Without `sim.load_trace` in this pagednb, `--trace` says what is missing; the chat workload needs no trace."
+    from pagednb.replay import load_workload
+    assert len(load_workload(None)) == 32
+    if hasattr(sim, "load_trace"): pytest.skip("sim.load_trace is here")
+    with pytest.raises(NotImplementedError, match="sim.load_trace"): load_workload("mooncake")
