@@ -12,13 +12,13 @@ __all__ = ['MODELS', 'GPUS', 'CUDA_CONTEXT', 'GRAPH_BYTES', 'QUANT_BYTES', 'SIM_
            'shard_config', 'gpu_weight_bytes', 'CostModel', 'model_shape', 'step_features', 'cost_model', 'Simulator',
            'kv_element_bytes', 'vllm_flag', 'log_knobs', 'what_ifs', 'format_what_ifs', 'vllm_token_budget', 'log_gpu',
            'fidelity', 'format_fidelity', 'SimRequest', 'prompt_tokens', 'Workload', 'offline', 'poisson', 'concurrent',
-           'rate_sweep', 'shared_prompt', 'seed_workload', 'SimEngine', 'SimulatedProposer', 'SimRun',
-           'serving_metrics', 'plot_sweep', 'metrics_html', 'time_steps', 'fit_cost', 'cost_from_fit',
-           'relative_errors', 'engine_knob_values', 'measure', 'validation_workloads', 'predicted_vs_measured',
-           'format_validation']
+           'rate_sweep', 'shared_prompt', 'seed_workload', 'mooncake_trace_path', 'load_trace', 'chat_sessions',
+           'SimEngine', 'SimulatedProposer', 'SimRun', 'serving_metrics', 'plot_sweep', 'metrics_html', 'time_steps',
+           'fit_cost', 'cost_from_fit', 'relative_errors', 'engine_knob_values', 'measure', 'validation_workloads',
+           'predicted_vs_measured', 'format_validation']
 
 # %% ../nbs/09a_capacity.ipynb #sim-77de68da
-import dataclasses, json, math, random, re, shlex, time
+import dataclasses, gzip, hashlib, importlib.resources, json, math, random, re, shlex, time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -607,18 +607,21 @@ def format_fidelity(rows) -> str:
 # %% ../nbs/09a_capacity.ipynb #sim-fb644351
 @dataclass
 class SimRequest:
-    "A request: prompt (a length or token ids), output length, arrival time (s), shared prefix (id, length)."
+    "A request: prompt (a length or token ids), output length, arrival time (s), shared prefix, trace block ids."
     prompt: int | list
     output_len: int
     arrival_time: float = 0.0
     prefix_id: int | None = None
     prefix_len: int = 0
+    hash_ids: list | None = None                  # a trace's block ids (`load_trace`), each `hash_block_size` tokens
+    hash_block_size: int = 512
     @property
     def prompt_len(self): return self.prompt if isinstance(self.prompt, int) else len(self.prompt)
 
 def prompt_tokens(req, index, vocab=(100, 1100)) -> list:
-    "Token ids of `req`'s prompt: its own, or its shared prefix's then ids of its own (seeded by `index`)."
+    "Token ids of `req`'s prompt: its own, its trace blocks', or its shared prefix's, then ids of its own (by `index`)."
     if not isinstance(req.prompt, int): return list(req.prompt)
+    if req.hash_ids is not None: return _hashed_prompt(req.hash_ids, req.hash_block_size, req.prompt, index, {})
     pre = random.Random(f"prefix-{req.prefix_id}") if req.prefix_id is not None else None
     k = min(req.prefix_len, req.prompt) if pre else 0
     own = random.Random(f"request-{index}")
@@ -702,6 +705,171 @@ def seed_workload(n=100, rate=None, seed=0, max_model_len=2048) -> Workload:
         n, [p for p, _ in lens], [o for _, o in lens], seed)
     w.name = f"200 in / 300 out, {'offline' if not rate else f'{rate} req/s'}"
     return w
+
+# %% ../nbs/09a_capacity.ipynb #sim-trace-path
+def mooncake_trace_path() -> Path:
+    "The Mooncake conversation trace (FAST'25, Apache-2.0) shipped in the package, gzipped; `load_trace` reads it."
+    return Path(str(importlib.resources.files("pagednb")/"data"/"mooncake"/"conversation_trace.jsonl.gz"))
+
+# %% ../nbs/09a_capacity.ipynb #sim-trace-ids
+_VOCAB = np.array(list(range(1100)), dtype=object)   # one int object per id: prompts hold references, 8 bytes each
+_MIX = tuple(np.uint64(m) for m in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 30, 27, 31, 1000))
+
+def _seed(*key) -> int: return int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=8).digest(), "little")
+
+def _id_rows(seeds, n) -> list:
+    "A row of `n` token ids in [100, 1100) per seed: SplitMix64 of the seed and each position."
+    z = np.asarray(seeds, dtype=np.uint64)[:, None] + np.arange(1, n + 1, dtype=np.uint64)[None, :]*_MIX[0]
+    z = (z ^ (z >> _MIX[3]))*_MIX[1]
+    z = (z ^ (z >> _MIX[4]))*_MIX[2]
+    return _VOCAB[(100 + (z ^ (z >> _MIX[5])) % _MIX[6]).astype(np.intp)].tolist()
+
+# %% ../nbs/09a_capacity.ipynb #sim-trace-ids2
+def _token_ids(n, *key) -> list:
+    "`n` token ids drawn from the ints `key`: the same in any process."
+    return _id_rows([_seed(*key)], n)[0] if n > 0 else []
+
+def _blocks(ids, B, chunk=2048) -> dict:
+    "Each id's `B`-token block, as `_token_ids(B, 0, id)` gives it, built a chunk of ids at a time."
+    ids = list(dict.fromkeys(ids))
+    rows = [r for k in range(0, len(ids), chunk) for r in _id_rows([_seed(0, h) for h in ids[k:k + chunk]], B)]
+    return dict(zip(ids, rows))
+
+# %% ../nbs/09a_capacity.ipynb #sim-trace-record
+_TRACE_KEYS = ("timestamp", "input_length", "output_length")
+
+def _trace_json(line, n) -> dict:
+    "Line `n` of a trace as a dict with its three required keys, or a `ValueError` naming the line."
+    try: d = json.loads(line)
+    except ValueError as e: raise ValueError(f"trace line {n}: not JSON ({e})") from None
+    miss = [k for k in _TRACE_KEYS if k not in d] if isinstance(d, dict) else list(_TRACE_KEYS)
+    if miss: raise ValueError(f"trace line {n}: {', '.join(miss)} missing; each line needs {', '.join(_TRACE_KEYS)}")
+    return d
+
+# %% ../nbs/09a_capacity.ipynb #sim-trace-check
+def _trace_record(line, n, block_size) -> tuple:
+    "Line `n` checked: `(timestamp ms, input_length, output_length, hash_ids)`, or a `ValueError` naming it."
+    d = _trace_json(line, n)
+    ts, L, out, ids = d["timestamp"], d["input_length"], d["output_length"], d.get("hash_ids", [])
+    bad = lambda k, v, want: ValueError(f"trace line {n}: {k}={v!r} is invalid: it must be {want}")
+    num = isinstance(ts, (int, float)) and not isinstance(ts, bool)
+    if not num or not math.isfinite(ts) or ts < 0: raise bad("timestamp", ts, "milliseconds >= 0")
+    for k, v in (("input_length", L), ("output_length", out)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1: raise bad(k, v, "an int >= 1")
+    if not isinstance(ids, list) or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in ids):
+        raise bad("hash_ids", ids, "a list of ints >= 0")
+    if len(ids) > -(-L//block_size): raise bad("hash_ids", f"<{len(ids)} ids>", f"at most one per {block_size}-token "
+                                              f"block of input_length={L}: {-(-L//block_size)}")
+    return ts, L, out, ids
+
+# %% ../nbs/09a_capacity.ipynb #sim-trace-read
+def _read_trace(path, block_size) -> list:
+    "Every record of a trace file (`.gz` too), each line checked first; `ValueError` names a bad line."
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f: lines = [(n, s) for n, s in enumerate(f, 1) if s.strip()]
+    if not lines: raise ValueError(f"trace {path.name} holds no requests")
+    return [_trace_record(s, n, block_size) for n, s in lines]
+
+# %% ../nbs/09a_capacity.ipynb #sim-trace-request
+def _hashed_prompt(ids, B, L, key, cache) -> list:
+    "`L` token ids: the `B`-token block of each id (the last one cut short), then the request's own (from `key`)."
+    out = []
+    for h in ids:
+        if h not in cache: cache[h] = _token_ids(B, 0, h)
+        out += cache[h]
+    return out[:L] + _token_ids(L - len(out), 1, key)
+
+def _scaled_len(L, bs, B, scale) -> int:
+    "A prompt of `L` tokens in `bs`-token blocks, each full block made `B` tokens, the partial last one scaled."
+    full, last = divmod(L, bs)
+    return full*B + (min(B, max(1, round(last*scale))) if last else 0)
+
+# %% ../nbs/09a_capacity.ipynb #sim-trace-pick
+def _pick(recs, max_requests, sample, seed) -> list:
+    "The records kept: a random `sample` (a fraction, or a count) in their order, then the first `max_requests`."
+    if sample is not None:
+        frac = isinstance(sample, float)
+        if isinstance(sample, bool) or not isinstance(sample, (int, float)) or sample <= 0 or frac and sample > 1:
+            raise ValueError(f"sample={sample!r} is invalid: a fraction in (0, 1] or a number of requests >= 1")
+        k = round(sample*len(recs)) if frac else min(sample, len(recs))
+        recs = [recs[i] for i in sorted(random.Random(seed).sample(range(len(recs)), max(1, k)))]
+    return recs[:_positive("max_requests", max_requests)] if max_requests is not None else recs
+
+# %% ../nbs/09a_capacity.ipynb #sim-trace-load
+def load_trace(path, max_requests=None, sample=None, seed=0, length_scale=1.0, time_scale=1.0,
+               block_size=512, token_ids=True) -> Workload:
+    "A Mooncake-format trace (JSON lines, `.gz` too) as a `Workload` whose prompts share what `hash_ids` say."
+    _positive("length_scale", length_scale), _positive("block_size", block_size)
+    if isinstance(time_scale, bool) or not isinstance(time_scale, (int, float)) or time_scale < 0:
+        raise ValueError(f"time_scale={time_scale!r} is invalid: it must be a number >= 0 (0: all at once)")
+    recs = _pick(_read_trace(path, block_size), max_requests, sample, seed)
+    B, t0 = max(1, round(block_size*length_scale)), recs[0][0]
+    reqs = [SimRequest(_scaled_len(L, block_size, B, length_scale), max(1, round(out*length_scale)),
+                       (ts - t0)/1000*time_scale, hash_ids=ids, hash_block_size=B) for ts, L, out, ids in recs]
+    return Workload(_token_prompts(reqs) if token_ids else reqs, name=Path(path).name.split(".")[0])
+
+# %% ../nbs/09a_capacity.ipynb #sim-trace-load2
+def _token_prompts(reqs) -> list:
+    "The requests with their prompts as token ids (`prompt_tokens`), the blocks of equal ids built once."
+    cache = _blocks([h for r in reqs for h in r.hash_ids], reqs[0].hash_block_size)
+    for i, r in enumerate(reqs): r.prompt = _hashed_prompt(r.hash_ids, r.hash_block_size, r.prompt, i, cache)
+    return reqs
+
+# %% ../nbs/09a_capacity.ipynb #sim-trace-ceiling
+def _chain_keys(toks, bs, n) -> list:
+    "A key for each of the first `n` full blocks of `toks`, naming the block and all before it (a hash chain)."
+    keys, h = [], 0
+    for j in range(n):
+        h = hash((h, tuple(toks[j*bs:(j + 1)*bs])))
+        keys.append(h)
+    return keys
+
+def _block_keys(r, i, bs) -> list:
+    "The chain keys of request `r`'s full blocks before its last token: from its `hash_ids` at their own size."
+    n = (r.prompt_len - 1)//bs
+    if r.hash_ids is None or bs != r.hash_block_size: return _chain_keys(prompt_tokens(r, i), bs, n)
+    keys, h = [], 0
+    for x in r.hash_ids[:n]:
+        h = hash((h, x))
+        keys.append(h)
+    return keys
+
+# %% ../nbs/09a_capacity.ipynb #sim-trace-ceiling2
+@patch
+def prefix_hit_ceiling(self: Workload, block_size=16) -> float:
+    "The share of prompt tokens that a prefix cache that never forgets could serve, in whole `block_size` blocks."
+    seen, hit, total = set(), 0, 0
+    for i, r in sorted(enumerate(self.requests), key=lambda p: p[1].arrival_time):
+        keys = _block_keys(r, i, _positive("block_size", block_size))
+        hit += next((j for j, k in enumerate(keys) if k not in seen), len(keys))*block_size
+        total += r.prompt_len
+        seen.update(keys)
+    return hit/total if total else 0.0
+
+# %% ../nbs/09a_capacity.ipynb #sim-chat
+def _session(rng, s, seed, system, start, turns, user_len, output_len, think_time) -> list:
+    "The requests of chat `s`: turn k's prompt is the system prompt, turns 1..k-1 and their answers, message k."
+    k = _lengths(rng, turns, 1, "turns")[0]
+    users, outs = _lengths(rng, user_len, k, "user_len"), _lengths(rng, output_len, k, "output_len")
+    history, t, reqs = list(system), start, []
+    for j in range(k):
+        history += _token_ids(users[j], 3, seed, s, j)
+        reqs.append(SimRequest(list(history), outs[j], t))
+        history += _token_ids(outs[j], 4, seed, s, j)                   # the answer, sent back next turn
+        t += rng.uniform(*think_time) if isinstance(think_time, tuple) else think_time
+    return reqs
+
+# %% ../nbs/09a_capacity.ipynb #sim-chat2
+def chat_sessions(n, turns=(2, 6), system_len=256, user_len=(16, 256), output_len=(32, 256), think_time=(5.0, 30.0),
+                  rate=0.5, seed=0) -> Workload:
+    "`n` multi-turn chats starting at `rate` a second: each prompt is the chat so far, `think_time` s between turns."
+    rng, system, t, reqs = random.Random(seed), _token_ids(_positive("system_len", system_len), 2, seed), 0.0, []
+    for s in range(_positive("n", n)):
+        t += rng.expovariate(_positive("rate", rate))
+        reqs += _session(rng, s, seed, system, t, turns, user_len, output_len, think_time)
+    reqs.sort(key=lambda r: r.arrival_time)
+    return Workload(reqs, name=f"{n} chat sessions, {rate} a second")
 
 # %% ../nbs/09a_capacity.ipynb #sim-8effee40
 class SimEngine:
