@@ -6,17 +6,17 @@ Docs: https://pagednb.github.io/pagednb/capacity.html.md"""
 
 # %% auto #0
 __all__ = ['MODELS', 'GPUS', 'CUDA_CONTEXT', 'GRAPH_BYTES', 'QUANT_BYTES', 'SIM_EXCLUDES', 'SIM_TAKES', 'KV_LINKS', 'TIER_KNOBS',
-           'COST_MODELS', 'HUB_IDS', 'VLLM_FLAGS', 'LOG_MODELS', 'LOG_GPUS', 'FIDELITY_NOTES', 'WORKLOADS', 'SHOWN',
-           'CALIBRATION_SHAPES', 'model_config', 'layer_params', 'num_params', 'GPU', 'activation_bytes',
-           'vllm_capture_sizes', 'cuda_graph_bytes', 'sizing_model', 'check_quantization', 'sim_args', 'host_link',
-           'tier_knobs', 'sim_dtype', 'check_parallel', 'shard_config', 'gpu_weight_bytes', 'CostModel', 'model_shape',
-           'step_features', 'cost_model', 'Simulator', 'kv_element_bytes', 'vllm_flag', 'log_knobs', 'what_ifs',
-           'format_what_ifs', 'vllm_token_budget', 'log_gpu', 'fidelity', 'format_fidelity', 'SimRequest',
-           'prompt_tokens', 'Workload', 'offline', 'poisson', 'concurrent', 'rate_sweep', 'shared_prompt',
+           'COST_MODELS', 'HUB_IDS', 'VLLM_FLAGS', 'LOG_MODELS', 'LOG_GPUS', 'FIDELITY_NOTES', 'TIER_SHOWN',
+           'WORKLOADS', 'SHOWN', 'CALIBRATION_SHAPES', 'model_config', 'layer_params', 'num_params', 'GPU',
+           'activation_bytes', 'vllm_capture_sizes', 'cuda_graph_bytes', 'sizing_model', 'check_quantization',
+           'sim_args', 'host_link', 'tier_knobs', 'sim_dtype', 'check_parallel', 'shard_config', 'gpu_weight_bytes',
+           'CostModel', 'model_shape', 'step_features', 'cost_model', 'Simulator', 'kv_element_bytes', 'vllm_flag',
+           'log_knobs', 'what_ifs', 'format_what_ifs', 'vllm_token_budget', 'log_gpu', 'fidelity', 'format_fidelity',
+           'SimRequest', 'prompt_tokens', 'Workload', 'offline', 'poisson', 'concurrent', 'rate_sweep', 'shared_prompt',
            'seed_workload', 'mooncake_trace_path', 'load_trace', 'chat_sessions', 'KVTier', 'TieredBlockManager',
-           'SimEngine', 'SimulatedProposer', 'SimRun', 'serving_metrics', 'plot_sweep', 'metrics_html', 'time_steps',
-           'fit_cost', 'cost_from_fit', 'relative_errors', 'engine_knob_values', 'measure', 'validation_workloads',
-           'predicted_vs_measured', 'format_validation']
+           'SimEngine', 'SimulatedProposer', 'SimRun', 'serving_metrics', 'plot_sweep', 'format_tiers', 'metrics_html',
+           'time_steps', 'fit_cost', 'cost_from_fit', 'relative_errors', 'engine_knob_values', 'measure',
+           'validation_workloads', 'predicted_vs_measured', 'format_validation']
 
 # %% ../nbs/09a_capacity.ipynb #sim-77de68da
 import dataclasses, gzip, hashlib, importlib.resources, json, math, random, re, shlex, time
@@ -873,8 +873,8 @@ def _chain_keys(toks, bs, n) -> list:
     return keys
 
 def _block_keys(r, i, bs) -> list:
-    "The chain keys of request `r`'s full blocks before its last token: from its `hash_ids` at their own size."
-    n = (r.prompt_len - 1)//bs
+    "The chain keys of request `r`'s full prompt blocks: from its `hash_ids` when they are blocks of `bs` tokens."
+    n = r.prompt_len//bs
     if r.hash_ids is None or bs != r.hash_block_size: return _chain_keys(prompt_tokens(r, i), bs, n)
     keys, h = [], 0
     for x in r.hash_ids[:n]:
@@ -888,8 +888,8 @@ def prefix_hit_ceiling(self: Workload, block_size=16) -> float:
     "The share of prompt tokens that a prefix cache that never forgets could serve, in whole `block_size` blocks."
     seen, hit, total = set(), 0, 0
     for i, r in sorted(enumerate(self.requests), key=lambda p: p[1].arrival_time):
-        keys = _block_keys(r, i, _positive("block_size", block_size))
-        hit += next((j for j, k in enumerate(keys) if k not in seen), len(keys))*block_size
+        keys, cap = _block_keys(r, i, _positive("block_size", block_size)), (r.prompt_len - 1)//block_size
+        hit += next((j for j, k in enumerate(keys[:cap]) if k not in seen), min(cap, len(keys)))*block_size
         total += r.prompt_len
         seen.update(keys)
     return hit/total if total else 0.0
@@ -1017,9 +1017,9 @@ def lru_hit_rates(self: Workload, pool_tokens, tier_tokens=0, block_size=16) -> 
     "Shares of prompt tokens hit in an LRU pool of `pool_tokens` and a tier behind it, one request at a time."
     pool, tier, hits, total = KVTier(pool_tokens//block_size), KVTier(tier_tokens//block_size), [0, 0], 0
     for i, r in sorted(enumerate(self.requests), key=lambda p: p[1].arrival_time):
-        keys = _block_keys(r, i, _positive("block_size", block_size))
-        a = pool.lookup(keys)
-        b = tier.lookup(keys[a:])
+        keys, cap = _block_keys(r, i, _positive("block_size", block_size)), (r.prompt_len - 1)//block_size
+        a = pool.lookup(keys[:cap])
+        b = tier.lookup(keys[a:cap])
         hits, total = [hits[0] + a*block_size, hits[1] + b*block_size], total + r.prompt_len
         for k in reversed(keys): tier.store(pool.store(k)) if k not in pool else pool.store(k)
     return dict(pool=hits[0]/total, tier=hits[1]/total, both=sum(hits)/total)
@@ -1296,6 +1296,16 @@ def plot_sweep(rows, knob, metrics, title=None):
     title = title or f"{' and '.join(metrics[:2])} against {knob}"
     fig.update_layout(title=title, xaxis_title=knob, height=350)
     return fig
+
+# %% ../nbs/09a_capacity.ipynb #sim-tier-table
+TIER_SHOWN = ("kv_offloading_size", "prefix_cache_hit_rate", "pool_hit_rate", "tier_hit_rate", "ttft_p50", "ttft_p99",
+              "output_throughput", "tier_blocks_loaded", "tier_usage_peak")
+
+def format_tiers(rows, keys=TIER_SHOWN) -> str:
+    "A sweep's rows over `kv_offloading_size` as a plain table: hit rates per tier, TTFT, throughput."
+    w = {k: max(12, len(k) + 2) for k in keys}
+    head = "".join(f"{k:>{w[k]}}" for k in keys)
+    return "\n".join([head] + ["".join(f"{r.get(k) or 0:>{w[k]}.4g}" for k in keys) for r in rows])
 
 # %% ../nbs/09a_capacity.ipynb #sim-08a35293
 WORKLOADS = {"200 in / 300 out, 4 req/s": lambda: seed_workload(100, rate=4),

@@ -99,3 +99,68 @@ def test_chat_sessions_share_their_history():
     assert S.chat_sessions(4, seed=3).requests[5].prompt == S.chat_sessions(4, seed=3).requests[5].prompt
     assert w.prefix_hit_ceiling() > 0.5
     with pytest.raises(ValueError, match="rate=0"): S.chat_sessions(2, rate=0)
+
+# --- the second KV tier of the simulated engine
+
+def L31(**kw):
+    "Llama-3.1-8B on an H100 with a pool of 600 blocks (9,600 tokens): small enough to forget a chat."
+    return S.Simulator("Llama-3.1-8B", "H100-80GB", max_model_len=8192, num_gpu_blocks_override=600, log=False, **kw)
+
+CHATS = S.chat_sessions(16, turns=(3, 5), system_len=512, user_len=(64, 512), output_len=(8, 32),
+                        think_time=(4.0, 12.0), rate=1.0, seed=2)
+
+def test_no_tier_is_todays_simulator_exactly():
+    base = L31().run(CHATS, snapshot=False).metrics
+    for size in (None, 0):
+        m = L31(kv_offloading_size=size).run(CHATS, snapshot=False).metrics
+        assert m == base and "tier_hit_rate" not in m
+
+def test_more_tier_never_hits_less_and_stays_in_its_capacity():
+    rows = L31().sweep("kv_offloading_size", [0, 0.25, 1, 4, 64], CHATS)
+    both = [r["prefix_cache_hit_rate"] for r in rows]
+    assert both == sorted(both) and both[-1] > both[0] + 0.1, both
+    for r in rows[1:]:
+        assert r["pool_hit_rate"] + r["tier_hit_rate"] == pytest.approx(r["prefix_cache_hit_rate"])
+        assert 0 < r["tier_usage_peak"] <= 1.0 and r["tier_blocks_loaded"] > 0
+    assert rows[-1]["ttft_p50"] < rows[0]["ttft_p50"]                       # loads beat recomputing here
+    assert both[-1] <= CHATS.prefix_hit_ceiling() + 1e-9
+
+def test_load_time_slow_links_and_no_overlap_cost_more():
+    m = {k: L31(kv_offloading_size=4, **kw).run(CHATS, snapshot=False).metrics for k, kw in [
+        ("pcie5", {}), ("nvme", dict(kv_offloading_link="NVMe")), ("serial", dict(kv_offloading_overlap=False))]}
+    assert m["pcie5"]["tier_load_time"] < m["nvme"]["tier_load_time"]
+    assert m["pcie5"]["ttft_p99"] <= m["serial"]["ttft_p99"] and m["pcie5"]["ttft_p99"] <= m["nvme"]["ttft_p99"]
+    assert m["pcie5"]["tier_hit_rate"] > 0
+
+def test_tier_knobs_are_checked():
+    for kw, match in [(dict(kv_offloading_size=-1), "kv_offloading_size=-1"), (dict(kv_offloading_size=float("nan")), "nan"),
+                      (dict(kv_offloading_backend="lmcache"), "'native' only"), (dict(kv_offloading_link="SATA"), "NVMe"),
+                      (dict(kv_offloading_size=4, enable_prefix_caching=False), "enable_prefix_caching")]:
+        with pytest.raises(ValueError, match=match): L31(**kw)
+    with pytest.raises(ValueError, match="one KV-cache group"):
+        S.Simulator("gemma-3-12b", "H100-80GB", max_model_len=8192, kv_offloading_size=4, log=False)
+    assert L31(kv_offloading_size=1).tier_blocks == 512                     # 2 MiB blocks: 16 tokens of 128 KiB
+
+def test_tiered_pool_random_lookups_keep_its_books():
+    import random
+    from pagednb.block_manager import Sequence
+    rng, bm = random.Random(0), S.TieredBlockManager(12, 4, S.KVTier(10), watermark=0)
+    prefixes = [[rng.randrange(1000) for _ in range(rng.choice((4, 8, 12, 20)))] for _ in range(6)]
+    for i in range(300):
+        toks = rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randrange(1, 9))]
+        s = Sequence(i, toks)
+        hits = bm.get_computed_blocks(s)
+        n = len(toks) - len(hits)*4
+        if not bm.can_allocate(s, n, hits): continue
+        bm.allocate(s, n, hits)
+        bm.cache_blocks(s, len(toks))
+        assert bm.check_invariants() and len(bm.tier) <= bm.tier.capacity
+        bm.deallocate(s)
+    assert bm.num_used_blocks == 0 and bm.tier_hits > 0 and bm.tier.loads >= bm.tier_hits//4
+    assert bm.num_hits <= bm.num_queries and bm.check_invariants()
+
+def test_lru_hit_rates_ceiling_and_monotone_tiers(trace):
+    w = S.load_trace(trace)
+    assert w.lru_hit_rates(10**6, block_size=512)["both"] == w.prefix_hit_ceiling(512)
+    chats = [CHATS.lru_hit_rates(4096, t)["both"] for t in (0, 2048, 8192, 10**6)]
+    assert chats == sorted(chats) and chats[-1] == pytest.approx(CHATS.prefix_hit_ceiling())
