@@ -210,8 +210,9 @@ def host_link(device) -> str:
 # %% ../nbs/09a_capacity.ipynb #sim-tier-knobs2
 def _check_tier(t):
     "Raise for a tier knob out of range, naming it and what would be valid."
-    size, link, num = t["kv_offloading_size"], t["kv_offloading_link"], (int, float)
-    if size is not None and (isinstance(size, bool) or not isinstance(size, num) or not math.isfinite(size) or size < 0):
+    size, link = t["kv_offloading_size"], t["kv_offloading_link"]
+    num = isinstance(size, (int, float)) and not isinstance(size, bool)
+    if size is not None and (not num or not math.isfinite(size) or size < 0):
         raise ValueError(f"kv_offloading_size={size!r} is invalid: GiB of CPU memory, a number >= 0 (None: no tier)")
     if t["kv_offloading_backend"] != "native":
         raise ValueError(f"kv_offloading_backend={t['kv_offloading_backend']!r}: the simulator models 'native' only")
@@ -1182,7 +1183,7 @@ class SimRun:
     requests: list
     kv_usage: list                                    # (time, usage) after every step
     trace: Trace | None = None
-    snapshot: dict | None = None                      # the pool at its fullest (`memory_snapshot`; `snapshot=False`: none)
+    snapshot: dict | None = None                      # the pool at its fullest (`memory_snapshot`), if asked
 
 @patch
 def run(self: Simulator, workload, trace=False, max_steps=200_000, snapshot=True) -> SimRun:
@@ -1304,6 +1305,7 @@ TIER_SHOWN = ("kv_offloading_size", "prefix_cache_hit_rate", "pool_hit_rate", "t
 def format_tiers(rows, keys=TIER_SHOWN) -> str:
     "A sweep's rows over `kv_offloading_size` as a plain table: hit rates per tier, TTFT, throughput."
     w = {k: max(12, len(k) + 2) for k in keys}
+    rows = [{"pool_hit_rate": r.get("prefix_cache_hit_rate"), **r} for r in rows]    # no tier: the pool's all
     head = "".join(f"{k:>{w[k]}}" for k in keys)
     return "\n".join([head] + ["".join(f"{r.get(k) or 0:>{w[k]}.4g}" for k in keys) for r in rows])
 
