@@ -344,7 +344,8 @@ class Simulator:
         self.sched_config = scheduler_config(a, self.config.max_position_embeddings)
         self._size()
         self._size_tier()
-        if a.log: print(self.memory_line + "\n" + self.kv_line, flush=True)
+        tier = "\n" + self.tier_line if self.tier_blocks else ""
+        if a.log: print(self.memory_line + "\n" + self.kv_line + tier, flush=True)
     def __repr__(self): return f"Simulator({self.name!r} on {self.device}: {self.kv_line})"
 
 # %% ../nbs/09a_capacity.ipynb #sim-shard
@@ -373,6 +374,9 @@ def _size_tier(self: Simulator):
     self.tier_blocks = int((t["kv_offloading_size"] or 0)*GiB)//self.block_bytes
     self.tier_link = t["kv_offloading_link"] or host_link(self.device)
     self.tier_bandwidth = KV_LINKS[self.tier_link]
+    tokens = self.tier_blocks*self.args.block_size
+    self.tier_line = (f"KV offloading: {t['kv_offloading_size']} GiB of CPU memory, {self.tier_blocks} blocks "
+                      f"({tokens} tokens), over {self.tier_link} at {self.tier_bandwidth/1e9:.0f} GB/s")
     if self.tier_blocks and (len(self.kv_groups) > 1 or not self.args.enable_prefix_caching):
         raise ValueError("kv_offloading_size needs the prefix cache (enable_prefix_caching=True) and one KV-cache "
                          "group: a model without sliding windows")
@@ -491,6 +495,9 @@ def vllm_command(self: Simulator) -> str:
     if values["speculative_config"]: values["speculative_config"] = {
         k: v for k, v in values["speculative_config"].items() if k != "acceptance_rate"}
     flags = [vllm_flag(k, v) for k, v in values.items() if v != defaults[k]]
+    tier = getattr(self, "tier_knobs", TIER_KNOBS)                    # vLLM's two tier knobs; the link is the machine's
+    vllm_tier = ("kv_offloading_size", "kv_offloading_backend") if tier["kv_offloading_size"] else ()
+    flags += [vllm_flag(k, tier[k]) for k in vllm_tier]
     return " ".join(["vllm serve", shlex.quote(HUB_IDS.get(self.name, self.model_id)), *flags])
 
 # %% ../nbs/09a_capacity.ipynb #sim-whatif-knobs

@@ -164,3 +164,26 @@ def test_lru_hit_rates_ceiling_and_monotone_tiers(trace):
     assert w.lru_hit_rates(10**6, block_size=512)["both"] == w.prefix_hit_ceiling(512)
     chats = [CHATS.lru_hit_rates(4096, t)["both"] for t in (0, 2048, 8192, 10**6)]
     assert chats == sorted(chats) and chats[-1] == pytest.approx(CHATS.prefix_hit_ceiling())
+
+def test_tier_puzzle_reference_is_the_simulators_lookup():
+    import random
+    from collections import OrderedDict
+    from pagednb.puzzles import get_puzzle
+    p = get_puzzle("tier_lookup")
+    for i in range(300):
+        c = p.cases(random.Random(i))
+        cap = (c["num_tokens"] - 1)//c["block_size"]
+        hits = []
+        for h in c["block_hashes"][:cap]:
+            if h not in c["pool"]: break
+            hits.append(c["pool"][h])
+        t = S.KVTier(len(c["tier"]))
+        t.blocks = OrderedDict.fromkeys(c["tier"])
+        k = min(t.lookup(c["block_hashes"][len(hits):cap]), max(0, c["room"]))
+        assert p.spec(**c) == (hits, c["block_hashes"][len(hits):len(hits) + k], list(t.blocks))
+
+def test_vllm_command_and_start_up_line_name_the_tier(capsys):
+    s = S.Simulator("Llama-3.1-8B", "H100-80GB", max_model_len=32768, kv_offloading_size=64)
+    assert "KV offloading: 64 GiB of CPU memory, 32768 blocks (524288 tokens), over PCIe 5.0 x16" in capsys.readouterr().out
+    assert s.vllm_command().endswith("--kv-offloading-size 64 --kv-offloading-backend native")
+    assert "--kv-offloading" not in L31().vllm_command()
