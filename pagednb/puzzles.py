@@ -556,6 +556,55 @@ register(Puzzle("window_free", "The blocks a sliding window frees", "03a_hybrid_
                 dict(block_table=[0, 0, 6, 1], num_computed_tokens=4, window=1, block_size=1),
                 dict(block_table=[9, 8], num_computed_tokens=8, window=1, block_size=4)]))
 
+# %% ../nbs/12_puzzles.ipynb #pz-tier-spec
+def _tier_spec(block_hashes, num_tokens, block_size, pool, tier, room):
+    "(pool hits, hashes loaded from the tier, the tier's LRU order after) of one lookup over a pool and a tier."
+    cap, hits = (num_tokens - 1)//block_size, []
+    for h in block_hashes[:cap]:
+        if h not in pool: break
+        hits.append(pool[h])
+    lru, run = OrderedDict.fromkeys(tier), []
+    for h in block_hashes[len(hits):cap]:
+        if h not in lru: break
+        lru.move_to_end(h)
+        run.append(h)
+    return hits, run[:max(0, room)], list(lru)
+
+# %% ../nbs/12_puzzles.ipynb #pz-tier-case
+def _tier_case(rng):
+    "A chain partly in the pool, partly in the tier, some blocks in both or neither, a room that may cut the loads."
+    bs, n = rng.choice([2, 4, 16]), rng.randint(0, 7)
+    num_tokens = max(1, n*bs - rng.choice([0, 0, 1]) + rng.randint(0, bs - 1))
+    hashes = [f"h{i}".encode() for i in range(num_tokens//bs)]
+    k = rng.randint(0, len(hashes))
+    pool = {h: 10 + i for i, h in enumerate(hashes[:k]) if rng.random() < 0.9}
+    tier = [h for h in hashes if rng.random() < 0.7] + [b"x0", b"x1"][:rng.randint(0, 2)]
+    rng.shuffle(tier)
+    return dict(block_hashes=hashes, num_tokens=num_tokens, block_size=bs, pool=pool, tier=tier,
+                room=rng.randint(0, 6))
+
+# %% ../nbs/12_puzzles.ipynb #pz-tier-register
+register(Puzzle("tier_lookup", "Pool hits, then tier hits", "09g_kv_tiers",
+    "A prompt of `num_tokens` tokens has the hash chain `block_hashes`. The pool holds the blocks of `pool` "
+    "(hash to block id); a second tier in CPU memory holds the hashes of `tier`, least recently used first; "
+    "the pool has room to load `room` blocks. A lookup takes the pool's hits: the longest run of the chain "
+    "from block 0 found in `pool`, at most `(num_tokens - 1) // block_size` blocks (the last token is always "
+    "computed). Then the tier's: the longest run of the rest of the chain, within the same cap, found in "
+    "`tier`; it loads the first `room` of them, and every hash of that run, loaded or not, becomes the most "
+    "recently used, in chain order. Return `(pool hit blocks, hashes loaded from the tier, the tier's order "
+    "afterwards)`.",
+    'def tier_lookup(block_hashes: list[bytes], num_tokens: int, block_size: int, pool: dict[bytes, int],\n'
+    '                tier: list[bytes], room: int) -> tuple[list[int], list[bytes], list[bytes]]:\n'
+    '    "(the pool\'s hit blocks, the hashes loaded from the tier, the tier\'s LRU order after the lookup)."\n'
+    '    raise NotImplementedError',
+    spec=_tier_spec, cases=_tier_case,
+    edge_cases=[dict(block_hashes=[b"a", b"b", b"c"], num_tokens=12, block_size=4, pool={b"a": 5},
+                     tier=[b"c", b"b", b"z"], room=4),
+                dict(block_hashes=[b"a", b"b", b"c"], num_tokens=13, block_size=4, pool={},
+                     tier=[b"a", b"b", b"c"], room=1),
+                dict(block_hashes=[b"a", b"b"], num_tokens=9, block_size=4, pool={b"b": 3}, tier=[b"b", b"a"],
+                     room=0)]))
+
 # %% ../nbs/12_puzzles.ipynb #4e7b317b
 def _scheduler(running, waiting, budget, max_num_seqs, block_size, num_free_blocks=None):
     "A `Scheduler` in the given state; without `num_free_blocks` the pool has room for everything."

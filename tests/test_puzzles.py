@@ -316,6 +316,25 @@ def window_frees_nulls(block_table, num_computed_tokens, window, block_size):
     passed = max(0, num_computed_tokens - window + 1)//block_size
     return [0]*min(passed, len(block_table)) + list(block_table[passed:]), list(block_table[:passed])
 
+def _tier(block_hashes, num_tokens, block_size, pool, tier, room, cap=None, touch_all=True):
+    cap = (num_tokens - 1)//block_size if cap is None else cap
+    hits = []
+    for h in block_hashes[:cap]:
+        if h not in pool: break
+        hits.append(pool[h])
+    run = []
+    for h in block_hashes[len(hits):cap]:
+        if h not in tier: break
+        run.append(h)
+    moved = run if touch_all else run[:max(0, room)]
+    return hits, run[:max(0, room)], [h for h in tier if h not in moved] + moved
+def tier_no_cap(block_hashes, num_tokens, block_size, pool, tier, room):
+    return _tier(block_hashes, num_tokens, block_size, pool, tier, room, cap=num_tokens//block_size)
+def tier_ignores_room(block_hashes, num_tokens, block_size, pool, tier, room):
+    return _tier(block_hashes, num_tokens, block_size, pool, tier, len(block_hashes))
+def tier_touches_loaded_only(block_hashes, num_tokens, block_size, pool, tier, room):
+    return _tier(block_hashes, num_tokens, block_size, pool, tier, room, touch_all=False)
+
 WRONG = {
     "kv_bytes_per_token": [kv_no_v, kv_query_heads, kv_no_head_dim],
     "contiguous_waste": [waste_prompt_only, waste_utilization, waste_no_check],
@@ -325,6 +344,7 @@ WRONG = {
     "block_hashes": [hashes_no_parent, hashes_partial, hashes_salt_everywhere],
     "prefix_lookup": [lookup_no_cap, lookup_mru, lookup_evicts_hits],
     "window_free": [window_off_by_one, window_partial_blocks, window_frees_nulls],
+    "tier_lookup": [tier_no_cap, tier_ignores_room, tier_touches_loaded_only],
     "schedule_step": [step_prefill_first, step_no_chunking, step_no_seat_limit],
     "preempt": [preempt_oldest, preempt_cost_all_tokens, preempt_scheduled_too],
     "paged_attention": [decode_whole_blocks, decode_head_modulo, decode_unscaled],
