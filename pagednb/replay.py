@@ -496,12 +496,8 @@ def replay_options(a) -> dict:
 def load_workload(trace=None, max_requests=None, sample=None, length_scale=1.0, seed=0) -> Workload:
     "The workload of `--trace` (`mooncake`: the trace shipped with pagednb), else the multi-turn chats."
     if trace is None: return chat_workload(sessions=8, turns=4, system_len=128, user_len=48, output_len=32)
-    load, shipped = getattr(sim, "load_trace", None), getattr(sim, "mooncake_trace_path", None)
-    if trace == "mooncake" and shipped: trace = shipped()
-    if load is None or trace == "mooncake":
-        raise NotImplementedError("--trace needs pagednb.sim.load_trace, the trace reader, which this pagednb "
-                                  "lacks: update pagednb, or replay the built-in chat workload (no --trace)")
-    return load(trace, max_requests=max_requests, sample=sample, seed=seed, length_scale=length_scale)
+    if trace == "mooncake": trace = sim.mooncake_trace_path()
+    return sim.load_trace(trace, max_requests=max_requests, sample=sample, seed=seed, length_scale=length_scale)
 
 # %% ../nbs/09h_replay.ipynb #rp-one-run
 def one_run(workload, url, target=Target(), time_scale=1.0, on_run=None, **kw) -> dict:

@@ -181,9 +181,9 @@ def test_a_stream_cut_short_is_an_error():
     with Dies() as stub: s = summarize(replay(Workload([SimRequest(8, 4)]), stub.url))
     assert (s["errored"], s["completed"]) == (1, 0) and "[DONE]" in s["first_error"]
 
-def test_trace_reader_missing_is_named():
-    "Without `sim.load_trace` in this pagednb, `--trace` says what is missing; the chat workload needs no trace."
+def test_load_workload_reads_the_shipped_trace():
+    "No `--trace`: the built-in chats; `mooncake`: the shipped trace through `sim.load_trace`."
     from pagednb.replay import load_workload
     assert len(load_workload(None)) == 32
-    if hasattr(sim, "load_trace"): pytest.skip("sim.load_trace is here")
-    with pytest.raises(NotImplementedError, match="sim.load_trace"): load_workload("mooncake")
+    w = load_workload("mooncake", max_requests=5, length_scale=1/32)
+    assert len(w) == 5 and all(isinstance(r.prompt, list) for r in w.requests)
