@@ -6,17 +6,17 @@ Docs: https://pagednb.github.io/pagednb/capacity.html.md"""
 
 # %% auto #0
 __all__ = ['MODELS', 'MOE_TYPES', 'GPUS', 'CUDA_CONTEXT', 'GRAPH_BYTES', 'QUANT_BYTES', 'SIM_EXCLUDES', 'SIM_TAKES',
-           'COST_MODELS', 'HUB_IDS', 'VLLM_FLAGS', 'LOG_MODELS', 'LOG_GPUS', 'FIDELITY_NOTES', 'WORKLOADS', 'SHOWN',
-           'CALIBRATION_SHAPES', 'SimConfig', 'sim_config', 'model_config', 'attention_params', 'layer_params',
-           'mlp_params', 'body_params', 'num_params', 'GPU', 'activation_bytes', 'vllm_capture_sizes',
+           'COST_MODELS', 'NCCL_PER_PEER', 'HUB_IDS', 'VLLM_FLAGS', 'LOG_MODELS', 'LOG_GPUS', 'FIDELITY_NOTES',
+           'WORKLOADS', 'SHOWN', 'CALIBRATION_SHAPES', 'SimConfig', 'sim_config', 'model_config', 'attention_params',
+           'layer_params', 'mlp_params', 'body_params', 'num_params', 'GPU', 'activation_bytes', 'vllm_capture_sizes',
            'cuda_graph_bytes', 'sizing_model', 'check_quantization', 'sim_args', 'sim_dtype', 'check_parallel',
            'shard_config', 'gpu_weight_bytes', 'CostModel', 'model_shape', 'step_features', 'cost_model', 'Simulator',
-           'kv_element_bytes', 'vllm_flag', 'log_knobs', 'what_ifs', 'format_what_ifs', 'vllm_token_budget', 'log_gpu',
-           'fidelity', 'format_fidelity', 'SimRequest', 'prompt_tokens', 'Workload', 'offline', 'poisson', 'concurrent',
-           'rate_sweep', 'shared_prompt', 'seed_workload', 'SimEngine', 'SimulatedProposer', 'SimRun',
-           'serving_metrics', 'plot_sweep', 'metrics_html', 'time_steps', 'fit_cost', 'cost_from_fit',
-           'relative_errors', 'engine_knob_values', 'measure', 'validation_workloads', 'predicted_vs_measured',
-           'format_validation']
+           'kv_element_bytes', 'parallel_non_torch_bytes', 'vllm_flag', 'log_knobs', 'what_ifs', 'format_what_ifs',
+           'vllm_token_budget', 'log_gpu', 'fidelity', 'format_fidelity', 'SimRequest', 'prompt_tokens', 'Workload',
+           'offline', 'poisson', 'concurrent', 'rate_sweep', 'shared_prompt', 'seed_workload', 'SimEngine',
+           'SimulatedProposer', 'SimRun', 'serving_metrics', 'plot_sweep', 'metrics_html', 'time_steps', 'fit_cost',
+           'cost_from_fit', 'relative_errors', 'engine_knob_values', 'measure', 'validation_workloads',
+           'predicted_vs_measured', 'format_validation']
 
 # %% ../nbs/09a_capacity.ipynb #sim-77de68da
 import dataclasses, json, math, random, re, shlex, time
@@ -458,6 +458,13 @@ def knobs(self: Simulator) -> dict:
     "The knobs this simulator was built with, as `Simulator` takes them."
     return {k: getattr(self.args, k) for k in knob_names(SIM_EXCLUDES)}
 
+# %% ../nbs/09a_capacity.ipynb #b8c04b0e
+NCCL_PER_PEER = 80 << 20          # assumed: NCCL's buffers and the all-reduce workspace, for each peer of a GPU
+
+def parallel_non_torch_bytes(tp=1, pp=1) -> int:
+    "Non-torch memory parallelism adds on each GPU: a share per TP peer, and one for the next pipeline stage."
+    return NCCL_PER_PEER*((tp - 1) + (pp > 1))
+
 # %% ../nbs/09a_capacity.ipynb #sim-cb7a1d77
 @patch
 def _gpu_blocks(self: Simulator, block_bytes) -> int:
@@ -468,6 +475,7 @@ def _gpu_blocks(self: Simulator, block_bytes) -> int:
     self.gpu_memory = mem = GPUMemory(g.memory, free, self.weight_bytes, act)
     sizes = None if a.enforce_eager else a.cudagraph_capture_sizes
     self.cuda_graphs = cuda_graph_bytes(self.shard, sizes, self.shape["dtype_bytes"])
+    self.non_torch = parallel_non_torch_bytes(a.tensor_parallel_size, a.pipeline_parallel_size)
     kv = a.kv_cache_memory_bytes
     if kv is None: kv = self._graphs_off(gpu_kv_budget(mem, a.gpu_memory_utilization))
     elif kv > mem.free - act:
@@ -478,9 +486,10 @@ def _gpu_blocks(self: Simulator, block_bytes) -> int:
 
 @patch
 def _graphs_off(self: Simulator, kv) -> int:
-    "The KV budget less the CUDA graphs' estimate (vLLM >= 0.21), if anything is left."
-    if kv > self.cuda_graphs: return kv - self.cuda_graphs
-    raise ValueError(f"the CUDA graphs' estimated {self.cuda_graphs/GiB:.2f} GiB leave no KV cache of the "
+    "The KV budget less the CUDA graphs' estimate (vLLM >= 0.21) and parallelism's non-torch memory, if any is left."
+    if kv > self.cuda_graphs + self.non_torch: return kv - self.cuda_graphs - self.non_torch
+    raise ValueError(f"the CUDA graphs' estimated {self.cuda_graphs/GiB:.2f} GiB and NCCL's "
+                     f"{self.non_torch/GiB:.2f} GiB leave no KV cache of the "
                      f"{kv/GiB:.2f} GiB; set enforce_eager=True, capture fewer cudagraph_capture_sizes or raise "
                      f"gpu_memory_utilization")
 
@@ -510,6 +519,7 @@ def _memory_line(self: Simulator) -> str:
     where = f", {w/(g.nominal_gb*1e9):.0%} of the {g.name}'s {g.nominal_gb} GB" if g else ""
     act = f"; activations {self.gpu_memory.activations/GiB:.2f} GiB" if g else ""
     if g and self.cuda_graphs: act += f"; CUDA graphs {self.cuda_graphs/GiB:.2f} GiB"
+    if g and self.non_torch: act += f"; NCCL {self.non_torch/GiB:.2f} GiB"
     n = a.tensor_parallel_size*a.pipeline_parallel_size
     per = f" per GPU of {n} (TP {a.tensor_parallel_size}, PP {a.pipeline_parallel_size})" if n > 1 else ""
     q = f" ({a.quantization} weights)" if a.quantization else ""
@@ -527,7 +537,7 @@ def memory(self: Simulator) -> dict:
                 activations=act, kv_bytes=kv, num_blocks=self.num_blocks, block_size=bs,
                 kv_tokens=self.num_blocks*bs, kv_bytes_per_token=per_token,
                 max_concurrency=self._concurrency(), num_gpus=n, kv_bytes_total=kv*n,
-                cuda_graphs=self.cuda_graphs if self.gpu else None)
+                cuda_graphs=self.cuda_graphs if self.gpu else None, non_torch=self.non_torch if self.gpu else None)
 
 @patch
 def _concurrency(self: Simulator) -> float:
@@ -624,9 +634,9 @@ LOG_GPUS = {"H100 80GB": "H100-80GB", "RTX 3090": "RTX-3090", "RTX 4090": "RTX-4
 # %% ../nbs/09a_capacity.ipynb #8af3c849
 FIDELITY_NOTES = {   # where a prediction misses, and why, from what each log states
     "v1_qwen3-235b-a22b-fp8_4xh100_tp4": "a MoE model, its 128 experts counted: 235B parameters, 55.1 GiB of fp8 "
-        "weights per GPU; the log states only its KV cache, 7.5 GiB below the prediction, and no weights or peak to "
-        "say where they went: the run also had an LMCache connector (--kv-transfer-config), and the simulator "
-        "leaves out NCCL's buffers for TP 4 and the MoE kernels' workspace",
+        "weights per GPU; the log states only its KV cache, 7.3 GiB below the prediction, and no weights or peak to "
+        "say where they went: the run also had an LMCache connector (--kv-transfer-config), and the simulator's "
+        "0.23 GiB for NCCL at TP 4 and its activations leave out the MoE kernels' workspace",
     "v1_qwen3-0.6b_a100_flashinfer_bf16": "a 16,384-token profiling step (the LLM class on an 80 GB GPU); the source "
         "names only an 'A100': the 80 GB one, as the 40 GB one cannot hold 69.66 GiB",
     "v0_llama-3-8b_h100_tp1_table": "vLLM also took 1.79 GiB of non-torch memory (CUDA context, cuBLAS and NCCL "

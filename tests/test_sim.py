@@ -349,3 +349,10 @@ def test_moe_tp_splits_each_expert_and_the_cost_model_reads_the_chosen_experts()
     assert abs(read[0]/two.shape["weights"] - 0.27) < 0.01              # one token reads 2 of 8 experts
     dense = S.Simulator("Llama-3-8B", "H100-80GB", log=False)
     assert S.step_features(dense.shape, [(1, 100)], 1)["bytes"] == dense.shape["weights"] + 101*131072
+
+def test_tp_takes_nccl_memory_off_each_gpus_kv_budget():
+    one, four = L3(), L3(tensor_parallel_size=4)
+    assert one.memory["non_torch"] == 0 and four.memory["non_torch"] == 3*S.NCCL_PER_PEER      # 0.23 GiB at TP 4
+    assert four.num_blocks == (S.gpu_kv_budget(four.gpu_memory, 0.9) - four.non_torch)//four.block_bytes
+    assert "NCCL 0.23 GiB" in four.memory_line and "NCCL" not in one.memory_line
+    assert L3(pipeline_parallel_size=2).memory["non_torch"] == S.NCCL_PER_PEER

@@ -188,3 +188,14 @@ def test_kv_events_config_is_vllms():
     from pagednb.engine_args import EngineArgs
     with pytest.raises(ValueError, match="publisher='kafka' is unknown"): EngineArgs(kv_events_config={"publisher": "kafka"})
     assert msgspec.msgpack.decode(encode_batch([], ts=2.0)) == [2.0, [], 0]
+
+def test_mirror_figure_draws_blocks_by_chain_and_medium():
+    from pagednb.vllm_events import mirror_figure, mirror_layout
+    m = PrefixCacheMirror(seed=META["pythonhashseed"])
+    m.feed(FRAMES)
+    pos = mirror_layout(m)
+    assert sorted(pos.values()) == [(0, 0), (1, 0), (2, 0), (2, 1)]          # two branches off the system prompt
+    m._store(BlockStored([99], None, list(range(128)), 128, medium="CPU"))    # an offloaded block of its own
+    fig = mirror_figure(m, META["token_ids"][0][:256] + [42] * 200)
+    assert [len(t.x) for t in fig.data[1:]] == [4, 1, 0] and fig.layout.title.text.endswith("2 blocks of the prompt held")
+    assert mirror_figure(PrefixCacheMirror()).data[1].x == ()                 # nothing held: an empty figure, no error
