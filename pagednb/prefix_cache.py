@@ -175,7 +175,7 @@ def _count_admission(self: PrefixCachingBlockManager, seq, hit_blocks):
 # %% ../nbs/03_prefix_cache.ipynb #6cdec4aa
 @patch
 def _register(self: PrefixCachingBlockManager, g, table, hs, start, n):
-    "Register group `g`'s blocks `start..n-1` of `table` under `hs`, keeping an existing entry; the indices registered."
+    "Register group `g`'s blocks `start..n-1` of `table` under `hs` (an existing entry stays); returns their indices."
     registry, new = self.registries[g], []
     for i in range(start, n):
         if table[i] == self.null_block: continue

@@ -7,16 +7,16 @@ Docs: https://pagednb.github.io/pagednb/capacity.html.md"""
 # %% auto #0
 __all__ = ['MODELS', 'MOE_TYPES', 'GPUS', 'CUDA_CONTEXT', 'GRAPH_BYTES', 'QUANT_BYTES', 'SIM_EXCLUDES', 'SIM_TAKES',
            'COST_MODELS', 'NCCL_PER_PEER', 'HUB_IDS', 'VLLM_FLAGS', 'LOG_MODELS', 'LOG_GPUS', 'FIDELITY_NOTES',
-           'WORKLOADS', 'SHOWN', 'CALIBRATION_SHAPES', 'SimConfig', 'sim_config', 'model_config', 'attention_params',
-           'layer_params', 'mlp_params', 'body_params', 'num_params', 'GPU', 'activation_bytes', 'vllm_capture_sizes',
-           'cuda_graph_bytes', 'sizing_model', 'check_quantization', 'sim_args', 'sim_dtype', 'check_parallel',
-           'shard_config', 'gpu_weight_bytes', 'CostModel', 'model_shape', 'step_features', 'cost_model', 'Simulator',
-           'kv_element_bytes', 'parallel_non_torch_bytes', 'vllm_flag', 'log_knobs', 'what_ifs', 'format_what_ifs',
-           'vllm_token_budget', 'log_gpu', 'fidelity', 'format_fidelity', 'SimRequest', 'prompt_tokens', 'Workload',
-           'offline', 'poisson', 'concurrent', 'rate_sweep', 'shared_prompt', 'seed_workload', 'SimEngine',
-           'SimulatedProposer', 'SimRun', 'serving_metrics', 'plot_sweep', 'metrics_html', 'time_steps', 'fit_cost',
-           'cost_from_fit', 'relative_errors', 'engine_knob_values', 'measure', 'validation_workloads',
-           'predicted_vs_measured', 'format_validation']
+           'WORKLOADS', 'SHOWN', 'CALIBRATION_SHAPES', 'PROBE', 'SimConfig', 'sim_config', 'model_config',
+           'attention_params', 'layer_params', 'mlp_params', 'body_params', 'num_params', 'GPU', 'activation_bytes',
+           'vllm_capture_sizes', 'cuda_graph_bytes', 'sizing_model', 'check_quantization', 'sim_args', 'sim_dtype',
+           'check_parallel', 'shard_config', 'gpu_weight_bytes', 'CostModel', 'model_shape', 'step_features',
+           'cost_model', 'Simulator', 'kv_element_bytes', 'parallel_non_torch_bytes', 'vllm_flag', 'log_knobs',
+           'what_ifs', 'format_what_ifs', 'vllm_token_budget', 'log_gpu', 'fidelity', 'format_fidelity', 'SimRequest',
+           'prompt_tokens', 'Workload', 'offline', 'poisson', 'concurrent', 'rate_sweep', 'shared_prompt',
+           'seed_workload', 'SimEngine', 'SimulatedProposer', 'SimRun', 'serving_metrics', 'plot_sweep', 'metrics_html',
+           'time_steps', 'fit_cost', 'cost_from_fit', 'relative_errors', 'engine_knob_values', 'measure',
+           'validation_workloads', 'predicted_vs_measured', 'format_validation']
 
 # %% ../nbs/09a_capacity.ipynb #sim-77de68da
 import dataclasses, json, math, random, re, shlex, time
@@ -1245,19 +1245,55 @@ def validation_workloads() -> list:
     return [offline(24, *mixed, seed=5, name="mixed offline"), poisson(2, 24, *mixed, seed=6),
             poisson(6, 24, *mixed, seed=7), shared_prompt(16, 384, (16, 64), 32, 0.75, rate=4, seed=8)]
 
-def predicted_vs_measured(sim, llm, workloads, keys=("output_throughput", "ttft_p50")) -> list:
-    "For each workload: the simulator's prediction, the real engine's measurement, and the relative error."
+def predicted_vs_measured(sim, llm, workloads, keys=("output_throughput", "ttft_p50"), drift=False) -> list:
+    "Per workload: prediction, measurement, error; `drift`: predicted at the speed timed beside it, with its band."
     rows = []
     for w in workloads:
-        p, m = sim.run(w).metrics, measure(llm, w)
+        m, speed, band = sim.measure_beside_probes(llm, w) if drift else (measure(llm, w), 1.0, None)
+        p = (sim.at_speed(speed) if drift else sim).run(w).metrics
         trio = lambda k: (("predicted", p[k]), ("measured", m[k]), ("error", p[k]/m[k] - 1))
-        rows.append(dict(workload=w.name, **{f"{k}_{s}": v for k in keys for s, v in trio(k)}))
+        extra = dict(speed=speed, band=band) if drift else {}
+        rows.append(dict(workload=w.name, **{f"{k}_{s}": v for k in keys for s, v in trio(k)}, **extra))
     return rows
+
+# %% ../nbs/09a_capacity.ipynb #f161715e
+PROBE = (4, 32, 8)        # (num_seqs, prompt_len, output_len): about nine steps, a fraction of a second on a CPU
+
+@patch
+def speed(self: Simulator, llm, probe=PROBE) -> float:
+    "The machine's speed now against the calibration: the probe's measured time over its predicted time."
+    samples = time_steps(llm, self.shape, [probe], repeats=1)
+    return sum(s for _, s in samples)/sum(self.cost.step_time(f) for f, _ in samples)
+
+# %% ../nbs/09a_capacity.ipynb #82c92021
+import copy
+
+@patch
+def at_speed(self: Simulator, factor):
+    "This simulator with every step `factor` times as long (1.1: the machine runs 10% slower than calibrated)."
+    c, sim = self.cost, copy.copy(self)
+    sim.cost = dataclasses.replace(c, flops=c.flops/factor, bandwidth=c.bandwidth/factor, overhead=c.overhead*factor,
+                                   overhead_per_seq=c.overhead_per_seq*factor,
+                                   allreduce_latency=c.allreduce_latency*factor)
+    return sim
+
+# %% ../nbs/09a_capacity.ipynb #e989e572
+@patch
+def measure_beside_probes(self: Simulator, llm, workload):
+    "Measure `workload` between two probes: (its metrics, the speed over the run, the error band that implies)."
+    before = self.speed(llm)
+    m = measure(llm, workload)
+    after = self.speed(llm)
+    fit = float(np.median(np.abs(self.step_errors))) if getattr(self, "step_errors", None) is not None else 0.0
+    return m, (before + after)/2, abs(after - before)/(after + before) + fit
 
 # %% ../nbs/09a_capacity.ipynb #sim-524e05dc
 def format_validation(rows, keys=("output_throughput", "ttft_p50")) -> str:
-    "Predicted against measured, as a plain table."
+    "Predicted against measured, as a plain table (with the speed timed beside each run and its band, if any)."
+    drift = all("speed" in r for r in rows)
     head = f"{'workload':<34}" + "".join(f"{k + ' pred / meas / err':>40}" for k in keys)
+    head += f"{'speed':>8}{'band':>8}" if drift else ""
     line = lambda r: f"{r['workload']:<34}" + "".join(
-        f"{r[k + '_predicted']:>14.3f}{r[k + '_measured']:>14.3f}{r[k + '_error']:>+12.1%}" for k in keys)
+        f"{r[k + '_predicted']:>14.3f}{r[k + '_measured']:>14.3f}{r[k + '_error']:>+12.1%}" for k in keys) + (
+        f"{r['speed']:>8.2f}{r['band']:>8.1%}" if drift else "")
     return "\n".join([head] + [line(r) for r in rows])

@@ -356,3 +356,19 @@ def test_tp_takes_nccl_memory_off_each_gpus_kv_budget():
     assert four.num_blocks == (S.gpu_kv_budget(four.gpu_memory, 0.9) - four.non_torch)//four.block_bytes
     assert "NCCL 0.23 GiB" in four.memory_line and "NCCL" not in one.memory_line
     assert L3(pipeline_parallel_size=2).memory["non_torch"] == S.NCCL_PER_PEER
+
+def test_prediction_at_the_speed_timed_beside_the_run(monkeypatch):
+    "A machine 25% slower than calibrated: the probes say so, and the prediction made at that speed holds."
+    sim, wl = S.Simulator("Llama-3-8B", "H100-80GB", log=False), S.offline(8, 200, 40)
+    f = S.step_features(sim.shape, [(1, 100)]*8, 8)
+    assert abs(sim.at_speed(1.25).cost.step_time(f)/sim.cost.step_time(f) - 1.25) < 1e-12
+    measured = sim.at_speed(1.25).run(wl).metrics                     # what the slowed machine would measure
+    monkeypatch.setattr(S, "measure", lambda llm, w: measured)
+    probes = iter([1.2, 1.3])                                          # the probe before and after the run
+    monkeypatch.setattr(S.Simulator, "speed", lambda self, llm, probe=S.PROBE: next(probes))
+    held = S.predicted_vs_measured(sim, None, [wl], drift=True)[0]
+    plain = S.predicted_vs_measured(sim, None, [wl])[0]
+    assert abs(plain["output_throughput_error"]) > 0.15                # the calibration alone misses
+    assert abs(held["output_throughput_error"]) < 0.01 and held["speed"] == 1.25
+    assert abs(held["band"] - 0.1/2.5) < 1e-12                         # half the probes' change: 4%
+    assert "speed" in S.format_validation([held]) and "speed" not in S.format_validation([plain])
