@@ -61,6 +61,7 @@ class LLMEngine:
         self.disable_log_stats = args.disable_log_stats
         self.sched_config = scheduler_config(args, self.model_config.max_position_embeddings)
         self._build(args)
+        self._start_kv_events(args.kv_events_config)
         self._capture_graphs(args.cudagraph_capture_sizes)
         self._start(args.seed, args.speculative_config)
 
@@ -173,6 +174,26 @@ def _start(self: LLMEngine, seed, speculative_config):
     if speculative_config is not None:                   # `07_speculative`
         self.spec = SpecDecoder.from_config(speculative_config, self)
         self.scheduler.lookahead = self.spec.lookahead
+
+# %% ../nbs/06b_engine.ipynb #c55d7382
+from .vllm_events import DEFAULT_SEED, make_event_publisher
+
+@patch
+def _start_kv_events(self: LLMEngine, config):
+    "vLLM's `kv_events_config`: the block manager records KV-cache events, a publisher sends each step's."
+    self.kv_event_publisher = make_event_publisher(config)
+    if self.kv_event_publisher is None: return
+    if not getattr(self.block_manager, "enable_prefix_caching", False):
+        return logger.warning("kv_events_config: no KV-cache events without enable_prefix_caching=True")
+    self.block_manager.enable_kv_events(seed=os.environ.get("PYTHONHASHSEED", DEFAULT_SEED))
+
+# %% ../nbs/06b_engine.ipynb #3ff7a749
+@patch
+def _publish_kv_events(self: LLMEngine):
+    "Send the KV-cache events recorded since the last call as one batch (none: nothing is sent)."
+    if self.kv_event_publisher is None: return
+    events = self.block_manager.take_kv_events()
+    if events: self.kv_event_publisher.publish(events)
 
 # %% ../nbs/06b_engine.ipynb #d241db37
 @patch
@@ -698,6 +719,7 @@ def _output(self: LLMEngine, req):
 @patch
 def _drain_outputs(self: LLMEngine):
     "Phase 7: an output for each request the step moved on (but FINAL_ONLY ones until they end), or that ended."
+    self._publish_kv_events()
     moved, self._moved = self._moved, {}
     final_only = RequestOutputKind.FINAL_ONLY
     outs = [self._output(r) for r in moved.values() if r.finished or r.params.output_kind != final_only]
@@ -751,6 +773,7 @@ def reset_prefix_cache(self: LLM) -> bool:
     bm = self.engine.block_manager
     if not getattr(bm, "enable_prefix_caching", False): return True
     bm.reset_prefix_cache()
+    self.engine._publish_kv_events()
     return not bm.hash_to_block
 
 # %% ../nbs/06b_engine.ipynb #fd2b3182
@@ -795,6 +818,7 @@ def shutdown(self: LLMEngine):
     self.requests.clear()
     dev = self.runner.device
     self.runner.release()
+    if self.kv_event_publisher is not None: self.kv_event_publisher.shutdown()
     self.model = self.spec = self.on_step = None
     self.dead = "this engine was shut down"
     gc.collect()

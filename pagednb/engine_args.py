@@ -15,6 +15,7 @@ import argparse, difflib, json, os, re
 from dataclasses import dataclass, field, fields
 from .block_manager import check_block_size
 from .scheduler import SchedulerConfig
+from .vllm_events import kv_events_config
 
 # %% ../nbs/05a_engine_args.ipynb #ab2f7431
 _DECIMAL = dict(k=10**3, m=10**6, g=10**9, t=10**12)                # vLLM: lower case is decimal ...
@@ -130,6 +131,10 @@ def _batch_sizes(name, v):
     if isinstance(v, (str, bytes)) or not all(_is_int(b) and b >= 1 for b in v):
         raise ValueError(f"{name}={v!r} is invalid: give a list of batch sizes >= 1")
 
+def _kv_events(name, v):
+    "None, or vLLM's KV-events config: a dict of `KVEventsConfig`'s fields."
+    if v is not None: kv_events_config(v)
+
 # %% ../nbs/05a_engine_args.ipynb #ea-dtype
 DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 
@@ -162,6 +167,8 @@ _HELP = dict(
                    "fp8_e4m3 or fp8_e5m2; fewer bytes per token hold more tokens",
     generation_config="sampling defaults: auto (the model's generation_config.json), vllm (none) or a folder",
     speculative_config=f"speculative decoding as JSON, e.g. '{_SPEC_EXAMPLE}'",
+    kv_events_config="publish KV-cache events as vLLM does, as JSON, e.g. '{\"enable_kv_cache_events\": true, "
+                     "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"topic\": \"kv\"}'",
     hf_overrides="config.json fields to change before the model is built, as JSON, e.g. "
                  "'{\"layer_types\": [...], \"sliding_window\": 256}'")
 KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -193,6 +200,7 @@ class EngineArgs:
                                                at_least(1, none="what the memory holds"), type=positive_int)
     enable_prefix_caching: bool = knob(True, "share the KV blocks of common prompt prefixes between requests",
                                        action=ON_OFF)
+    kv_events_config: dict | None = knob(None, _HELP["kv_events_config"], _kv_events, type=json_value)
     enable_chunked_prefill: bool = knob(True, "split long prompts across steps so that decodes keep running",
                                         action=ON_OFF)
     max_num_batched_tokens: int | None = knob(None, _HELP["max_num_batched_tokens"],

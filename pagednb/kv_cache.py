@@ -23,7 +23,7 @@ def _get(cfg, *names, default=None):
 
 # %% ../nbs/00_kv_cache.ipynb #be40761e
 def kv_bytes_per_token(cfg, dtype_bytes=2):
-    "Bytes of K and V that one token occupies across all layers, for any Llama-style config (object or dict)."
+    "Bytes of K and V one token occupies across all layers, for a Llama-style config (object or dict) or MLA's."
     layers, heads = _get(cfg, "num_hidden_layers", "num_layers"), _get(cfg, "num_attention_heads")
     if layers is None or heads is None:
         raise ValueError("config needs num_hidden_layers and num_attention_heads")
@@ -31,6 +31,8 @@ def kv_bytes_per_token(cfg, dtype_bytes=2):
     head_dim = _get(cfg, "head_dim", default=None) or _get(cfg, "hidden_size")//heads
     if isinstance(dtype_bytes, torch.dtype):
         dtype_bytes = torch.empty(0, dtype=dtype_bytes).element_size()
+    if rank := _get(cfg, "kv_lora_rank"):          # MLA (DeepSeek): one latent per token and layer stands for K and V
+        return layers*(rank + _get(cfg, "qk_rope_head_dim", default=0))*dtype_bytes
     return 2*layers*kv_heads*head_dim*dtype_bytes
 
 # %% ../nbs/00_kv_cache.ipynb #3482f265

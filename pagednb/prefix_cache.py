@@ -73,6 +73,7 @@ class PrefixCachingBlockManager(BlockManager):
         self._num_hashed: dict[int, list] = {}
         self.num_queries = self.num_hits = self.num_evictions = 0
         self.group_hits = [0]*len(self.windows)
+        self.kv_events = None                   # vLLM's KV-cache events, a list once enable_kv_events is called
 
 # %% ../nbs/03_prefix_cache.ipynb #698e05d5
 @patch(as_prop=True)
@@ -107,6 +108,7 @@ def _evict(self: PrefixCachingBlockManager) -> int:
     if not self.cached_free: raise NoFreeBlocksError(1, 0, self.num_blocks)
     bid, _ = self.cached_free.popitem(last=False)
     b = self.blocks[bid]
+    if self.kv_events is not None: self._record_removed(b)
     del self.registries[b.group][b.block_hash]
     b.block_hash = None
     self.num_evictions += 1
@@ -173,14 +175,16 @@ def _count_admission(self: PrefixCachingBlockManager, seq, hit_blocks):
 # %% ../nbs/03_prefix_cache.ipynb #6cdec4aa
 @patch
 def _register(self: PrefixCachingBlockManager, g, table, hs, start, n):
-    "Register group `g`'s blocks `start..n-1` of `table` under `hs`; keep an existing entry for a hash."
-    registry = self.registries[g]
+    "Register group `g`'s blocks `start..n-1` of `table` under `hs` (an existing entry stays); returns their indices."
+    registry, new = self.registries[g], []
     for i in range(start, n):
         if table[i] == self.null_block: continue
         blk = self.blocks[table[i]]
         if blk.block_hash is None and hs[i] not in registry:
             registry[hs[i]], blk.block_hash, blk.group = blk.block_id, hs[i], g
+            new.append(i)
         # else: registered already (a hit, or shared by fork), or another block holds the same prefix
+    return new
 
 @patch
 def cache_blocks(self: PrefixCachingBlockManager, seq, num_computed_tokens: int):
@@ -192,7 +196,8 @@ def cache_blocks(self: PrefixCachingBlockManager, seq, num_computed_tokens: int)
     if n <= min(done): return
     hs = compute_block_hashes(seq, bs, n)
     for g, table in enumerate(tables):
-        self._register(g, table, hs, done[g], n)
+        new = self._register(g, table, hs, done[g], n)
+        if new and self.kv_events is not None: self._record_stored(seq, g, new)
         done[g] = max(done[g], n)
 
 # %% ../nbs/03_prefix_cache.ipynb #9af9f981
@@ -222,6 +227,7 @@ def _unregister_partial(self: PrefixCachingBlockManager, g, table, num_tokens):
     if not num_tokens % bs or len(table) != full + 1 or table[-1] == self.null_block: return
     blk = self.blocks[table[-1]]
     if blk.block_hash is not None and blk.ref_count == 1:
+        if self.kv_events is not None: self._record_removed(blk)
         del self.registries[g][blk.block_hash]
         blk.block_hash = None
 
@@ -243,6 +249,7 @@ def reset_prefix_cache(self: PrefixCachingBlockManager) -> int:
     while self.cached_free:
         self.free_block_ids.append(self._evict())
         self.num_evictions -= 1
+    if self.kv_events is not None and not any(self.registries): self.kv_events.append(AllBlocksCleared())
     return n
 
 # %% ../nbs/03_prefix_cache.ipynb #6edf6855
@@ -294,6 +301,65 @@ def make_block_manager(num_blocks: int, block_size: int = 16, enable_prefix_cach
     "A `PrefixCachingBlockManager` or a plain `BlockManager`, as vLLM's `enable_prefix_caching` chooses."
     cls = PrefixCachingBlockManager if enable_prefix_caching else BlockManager
     return cls(num_blocks, block_size, watermark, windows)
+
+# %% ../nbs/03_prefix_cache.ipynb #44275e41
+from .vllm_events import (AllBlocksCleared, BlockRemoved, BlockStored, DEFAULT_SEED, HASH_ALGOS, none_hash,
+                                 to_event_hash)
+
+@patch
+def enable_kv_events(self: PrefixCachingBlockManager, hash_algo="sha256", seed=DEFAULT_SEED, medium="GPU"):
+    "Record vLLM's KV-cache events from now on, each block named by vLLM's hash; `take_kv_events` drains them."
+    self._event_root, self._event_fn = none_hash(hash_algo, seed), HASH_ALGOS[hash_algo]
+    self.kv_events, self.kv_event_medium, self._event_hash = [], medium, {}
+    return self
+
+# %% ../nbs/03_prefix_cache.ipynb #b8181c1a
+@patch
+def _event_chain(self: PrefixCachingBlockManager, seq, n) -> list:
+    "vLLM's digests of `seq`'s first `n` full blocks, kept on the sequence beside the pagednb hash of each."
+    chain, hs, bs = seq.__dict__.setdefault("event_chain", []), seq.block_hashes, self.block_size
+    while chain and (len(chain) > len(hs) or chain[-1][0] != hs[len(chain) - 1]): chain.pop()   # trimmed since
+    for i in range(len(chain), n):
+        parent = chain[i - 1][1] if i else self._event_root
+        keys = (seq.cache_salt,) if i == 0 and seq.cache_salt is not None else None
+        chain.append((hs[i], self._event_fn((parent, tuple(seq.token_ids[i*bs:(i + 1)*bs]), keys))))
+    return [to_event_hash(d) for _, d in chain[:n]]
+
+# %% ../nbs/03_prefix_cache.ipynb #c56964db
+def _runs(idx) -> list:
+    "Sorted indices in runs of consecutive ones: [0, 1, 3] -> [[0, 1], [3]]."
+    out = []
+    for i in idx:
+        if out and out[-1][-1] == i - 1: out[-1].append(i)
+        else: out.append([i])
+    return out
+
+# %% ../nbs/03_prefix_cache.ipynb #31f41f5c
+@patch
+def _record_stored(self: PrefixCachingBlockManager, seq, g, new):
+    "A `BlockStored` for each run of consecutive blocks of group `g` that `seq` just registered (indices `new`)."
+    chain, bs, salt = self._event_chain(seq, new[-1] + 1), self.block_size, seq.cache_salt
+    kind = "full_attention" if self.windows[g] is None else "sliding_window"
+    for run in _runs(new):
+        keys = [(salt,) if i == 0 and salt is not None else None for i in run]
+        toks, parent = seq.token_ids[run[0]*bs:(run[-1] + 1)*bs], chain[run[0] - 1] if run[0] else None
+        hashes = [chain[i] for i in run]
+        self.kv_events.append(BlockStored(hashes, parent, toks, bs, None, self.kv_event_medium, None, keys, g, kind))
+        self._event_hash.update({(g, seq.block_hashes[i]): chain[i] for i in run})
+
+# %% ../nbs/03_prefix_cache.ipynb #bf3271a8
+@patch
+def _record_removed(self: PrefixCachingBlockManager, blk):
+    "A `BlockRemoved` for a registered block about to lose its hash (evicted, or un-registered by a trim)."
+    h = self._event_hash.pop((blk.group, blk.block_hash), None)
+    if h is not None: self.kv_events.append(BlockRemoved([h], self.kv_event_medium, blk.group))
+
+@patch
+def take_kv_events(self: PrefixCachingBlockManager) -> list:
+    "The KV-cache events recorded since the last call (vLLM's `take_events`); [] while events are off."
+    if self.kv_events is None: return []
+    events, self.kv_events = self.kv_events, []
+    return events
 
 # %% ../nbs/03_prefix_cache.ipynb #3ff579d3
 def _replay_running(bm, running, waiting, budget):

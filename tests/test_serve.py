@@ -268,3 +268,24 @@ def test_speculative_server(reference):
         assert m["vllm:spec_decode_num_draft_tokens_total"] > 0 and m["vllm:spec_decode_num_accepted_tokens_total"] > 0
         assert 0 < m["pagednb:spec_decode_acceptance_rate"] <= 1 and m['pagednb:kv_blocks{state="used"}'] == 0
     finally: proc.stop()
+
+def test_serve_publishes_kv_events(tmp_path):
+    "`--kv-events-config` as vLLM takes it: the server's KV-cache events, read by the subscriber, mirror its cache."
+    from pagednb.vllm_events import KVEventSubscriber, PrefixCacheMirror
+    endpoint = f"ipc://{tmp_path}/serve-kv-events.ipc"
+    cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": "kv"}
+    p = ServerProcess("--kv-events-config", json.dumps(cfg), env={"PYTHONHASHSEED": "0"})
+    try:
+        url = p.ready()
+        with KVEventSubscriber(endpoint, topic="kv") as sub:
+            time.sleep(0.5)
+            ids = httpx.post(url + "/tokenize", json={"model": NAME, "prompt": SYSTEM * 2}, timeout=60).json()["tokens"]
+            body = {"model": NAME, "prompt": SYSTEM * 2, "max_tokens": 2, "temperature": 0}
+            r = httpx.post(url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+            assert r.status_code == 200, r.text
+            mirror = PrefixCacheMirror(seed="0")                          # vLLM's seed rule: PYTHONHASHSEED
+            mirror.feed(list(sub.frames(duration=30, idle=2)))
+        assert (mirror.decoder.malformed, mirror.block_size) == (0, 16)
+        assert mirror.cached_prefix(ids) == len(ids) // 16 > 0
+        assert mirror.cached_prefix([1] + ids) == 0
+    finally: p.stop()

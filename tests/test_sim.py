@@ -261,7 +261,8 @@ def test_fidelity_predicts_published_logs_kv_cache_and_says_what_it_skips():
     rows = {r["log"]: r for r in S.fidelity(read_fixtures(Path(__file__).parent/"fixtures"/"vllm_logs"))}
     sized = [r for r in rows.values() if "skipped" not in r]
     v1 = [r for r in sized if r["engine"] == "V1"]
-    assert v1 and all(r["error_pct"] is not None and abs(r["error_pct"]) <= 5 for r in v1)
+    assert v1 and all(r["error_pct"] is not None and abs(r["error_pct"]) <= 5 for r in v1
+                      if r["log"] != "v1_qwen3-235b-a22b-fp8_4xh100_tp4")
     q = rows["v1_qwen3-0.6b_a100_flashinfer_bf16"]                           # the log: 69.66 GiB, 652,144 tokens
     assert q["reported_tokens"] == 652144 and abs(q["predicted_tokens"]/652144 - 1) < 0.01 and q["tp"] == 1
     assert abs(rows["v0_llama-3.1-8b_rtx3090_20k"]["error_pct"]) < 5              # 31,232 tokens (1,952 blocks)
@@ -269,6 +270,105 @@ def test_fidelity_predicts_published_logs_kv_cache_and_says_what_it_skips():
     assert all(r["note"] for r in sized if r["error_pct"] is None or abs(r["error_pct"]) > 1)   # each miss says why
     assert "does not name its model" in rows["v1_fp8kv_len100k"]["skipped"]
     assert "does not name its GPU" in rows["v1_qwen3-32b_tp2_journald"]["skipped"]
-    assert "MoE" in rows["v1_qwen3-235b-a22b-fp8_4xh100_tp4"]["skipped"]
-    assert "MoE" in rows["v1_deepseek-v4-flash_2xgh200_tp2_too_long"]["skipped"]      # fp8 KV, but MoE and MLA
+    moe = rows["v1_qwen3-235b-a22b-fp8_4xh100_tp4"]                           # MoE: sized now, its miss explained
+    assert "skipped" not in moe and moe["reported_tokens"] == 178880 and "experts" in moe["note"]
+    assert moe["predicted_tokens"] > moe["reported_tokens"]            # the simulator leaves memory out, never adds
+    assert "not in the simulator's table" in rows["v1_deepseek-v4-flash_2xgh200_tp2_too_long"]["skipped"]
     assert "not sized:" in S.format_fidelity(list(rows.values()))
+
+
+# --- mixtures of experts and MLA (DeepSeek): counted from their configs
+
+def _tiny_moe_configs():
+    "Tiny transformers configs of each MoE family: dense layers, shared experts, MLA with and without a q rank."
+    tf = pytest.importorskip("transformers")
+    base = dict(vocab_size=128, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=64, intermediate_size=48)
+    mla = dict(base, num_key_value_heads=4, moe_intermediate_size=24, n_routed_experts=6, num_experts_per_tok=2,
+               first_k_dense_replace=1, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10,
+               n_group=1, topk_group=1)
+    return {"mixtral": tf.MixtralConfig(**base, num_local_experts=4, num_experts_per_tok=2),
+            "qwen2_moe": tf.Qwen2MoeConfig(**base, moe_intermediate_size=24, shared_expert_intermediate_size=40,
+                                           num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1],
+                                           decoder_sparse_step=1),
+            "qwen3_moe": tf.Qwen3MoeConfig(**base, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2,
+                                           head_dim=16),
+            "deepseek_v3": tf.DeepseekV3Config(**mla, n_shared_experts=1, q_lora_rank=24),
+            "deepseek_v2": tf.DeepseekV2Config(**mla, n_shared_experts=2, q_lora_rank=None)}
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v2"])
+def test_moe_parameter_count_is_the_real_models(family):
+    "Every expert counted: the simulator's count of a tiny random model equals the model's own."
+    import torch
+    from transformers import AutoModelForCausalLM
+    hf = _tiny_moe_configs()[family]
+    torch.manual_seed(0)
+    real = sum(p.numel() for p in AutoModelForCausalLM.from_config(hf).parameters())
+    cfg = S.model_config(hf.to_dict())
+    assert type(cfg).__name__ == "SimConfig" and cfg.num_experts > 0
+    assert S.num_params(cfg) == real
+    assert S.num_params(cfg, active=True) < real               # a token runs through 2 experts of 4 or 6
+
+def test_moe_counts_by_hand():
+    mx = S.model_config("Mixtral-8x7B")
+    attn, expert = 2*4096*4096 + 2*4096*1024, 3*4096*14336
+    assert S.layer_params(mx) == attn + 4096*8 + 8*expert + 2*4096                     # router, 8 experts, norms
+    assert S.layer_params(mx, active=True) == attn + 4096*8 + 2*expert + 2*4096
+    assert S.num_params(mx) == 32*S.layer_params(mx) + 4096 + 2*32000*4096            # 46.7B
+    ds = S.model_config("DeepSeek-V3")
+    mla = 7168*1536 + 1536 + 1536*128*192 + 7168*576 + 512 + 512*128*256 + 128*128*7168
+    assert S.attention_params(ds) == mla
+    assert S.mlp_params(ds, 0) == 3*7168*18432                                        # the 3 dense layers
+    assert S.mlp_params(ds, 3) == 7168*256 + 3*7168*2048*(256 + 1)                    # 256 routed + 1 shared
+    assert S.mlp_params(ds, 3, active=True) == 7168*256 + 3*7168*2048*(8 + 1)
+    assert round(S.num_params(ds)/1e9) == 671 and round(S.num_params(ds, active=True)/1e9) == 38
+
+def test_mla_caches_one_latent_per_token_and_layer_on_every_gpu():
+    latent = 61*(512 + 64)                                         # kv_lora_rank + qk_rope_head_dim, one "head"
+    sims = {tp: S.Simulator("DeepSeek-V3", "B200", tensor_parallel_size=tp, quantization="fp8", log=False)
+            for tp in (8, 16)}
+    for s in sims.values():                                        # not split by TP, as K/V heads are
+        assert s.memory["kv_bytes_per_token"] == latent*2 == S.kv_bytes_per_token(S.model_config("DeepSeek-V3"), 2)
+    sim = sims[8]
+    fp8 = S.Simulator("DeepSeek-V3", "B200", tensor_parallel_size=8, quantization="fp8", kv_cache_dtype="fp8",
+                      log=False)
+    assert fp8.memory["kv_bytes_per_token"] == latent and fp8.memory["kv_tokens"] > 1.9*sim.memory["kv_tokens"]
+    assert abs(sim.memory["weights"]/S.GiB - 671e9/8/S.GiB) < 4           # fp8 experts on each of 8 GPUs
+    assert S.Simulator("DeepSeek-V3", "B200", tensor_parallel_size=8, pipeline_parallel_size=2, quantization="fp8",
+                       log=False).memory["kv_bytes_per_token"] == 31*576*2          # the first stage's 31 layers
+    with pytest.raises(ValueError, match=r"attention heads \(128\) must be divisible by tensor parallel size \(3\)"):
+        S.Simulator("DeepSeek-V3", "B200", tensor_parallel_size=3, log=False)
+
+def test_moe_tp_splits_each_expert_and_the_cost_model_reads_the_chosen_experts():
+    two, four = (S.Simulator("Mixtral-8x7B", "H100-80GB", tensor_parallel_size=tp, log=False) for tp in (2, 4))
+    assert abs(four.weight_bytes/two.weight_bytes - 0.5) < 0.01 and four.shard.moe_intermediate_size == 14336//4
+    assert two.shape["body"] == S.body_params(two.shard, active=True) < 0.3*S.body_params(two.shard)
+    read = [S.step_features(two.shape, [(1, 100)]*n, n)["bytes"] - n*101*two.shape["kv_bytes_per_token"]
+            for n in (1, 4, 64)]
+    assert read[0] < read[1] < read[2] and abs(read[2]/two.shape["weights"] - 1) < 1e-3
+    assert abs(read[0]/two.shape["weights"] - 0.27) < 0.01              # one token reads 2 of 8 experts
+    dense = S.Simulator("Llama-3-8B", "H100-80GB", log=False)
+    assert S.step_features(dense.shape, [(1, 100)], 1)["bytes"] == dense.shape["weights"] + 101*131072
+
+def test_tp_takes_nccl_memory_off_each_gpus_kv_budget():
+    one, four = L3(), L3(tensor_parallel_size=4)
+    assert one.memory["non_torch"] == 0 and four.memory["non_torch"] == 3*S.NCCL_PER_PEER      # 0.23 GiB at TP 4
+    assert four.num_blocks == (S.gpu_kv_budget(four.gpu_memory, 0.9) - four.non_torch)//four.block_bytes
+    assert "NCCL 0.23 GiB" in four.memory_line and "NCCL" not in one.memory_line
+    assert L3(pipeline_parallel_size=2).memory["non_torch"] == S.NCCL_PER_PEER
+
+def test_prediction_at_the_speed_timed_beside_the_run(monkeypatch):
+    "A machine 25% slower than calibrated: the probes say so, and the prediction made at that speed holds."
+    sim, wl = S.Simulator("Llama-3-8B", "H100-80GB", log=False), S.offline(8, 200, 40)
+    f = S.step_features(sim.shape, [(1, 100)]*8, 8)
+    assert abs(sim.at_speed(1.25).cost.step_time(f)/sim.cost.step_time(f) - 1.25) < 1e-12
+    measured = sim.at_speed(1.25).run(wl).metrics                     # what the slowed machine would measure
+    monkeypatch.setattr(S, "measure", lambda llm, w: measured)
+    probes = iter([1.2, 1.3])                                          # the probe before and after the run
+    monkeypatch.setattr(S.Simulator, "speed", lambda self, llm, probe=S.PROBE: next(probes))
+    held = S.predicted_vs_measured(sim, None, [wl], drift=True)[0]
+    plain = S.predicted_vs_measured(sim, None, [wl])[0]
+    assert abs(plain["output_throughput_error"]) > 0.15                # the calibration alone misses
+    assert abs(held["output_throughput_error"]) < 0.01 and held["speed"] == 1.25
+    assert abs(held["band"] - 0.1/2.5) < 1e-12                         # half the probes' change: 4%
+    assert "speed" in S.format_validation([held]) and "speed" not in S.format_validation([plain])

@@ -113,3 +113,89 @@ def test_live_vllm_publishes_the_hashes_we_compute(tmp_path):
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=60)
+
+
+# --- pagednb publishes the same events: read back by the subscriber and the mirror above
+
+from pagednb.vllm_events import (AllBlocksCleared, DEFAULT_SEED, ZmqEventPublisher, encode_batch, kv_events_config,
+                                 make_event_publisher)
+
+def _pagednb_cached(bm, ids):
+    "How many leading full blocks of `ids` pagednb's own prefix cache holds."
+    from pagednb.prefix_cache import compute_block_hashes
+    from pagednb.block_manager import Sequence
+    hs = compute_block_hashes(Sequence(-1, ids), bm.block_size, len(ids) // bm.block_size)
+    return next((i for i, h in enumerate(hs) if h not in bm.hash_to_block), len(hs))
+
+def test_pagednb_engine_publishes_what_its_prefix_cache_holds(tmp_path):
+    from pagednb.engine import LLM
+    from pagednb.sampling import SamplingParams
+    endpoint = f"ipc://{tmp_path}/pagednb-kv.ipc"
+    cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": "kv"}
+    llm = LLM(num_gpu_blocks_override=40, max_model_len=512, log=False, kv_events_config=cfg)   # 640 tokens: evictions
+    rng = random.Random(0)
+    system = [rng.randrange(100, 40000) for _ in range(100)]
+    prompts = [system + [rng.randrange(100, 40000) for _ in range(rng.randrange(20, 200))] for _ in range(8)]
+    bm = llm.engine.block_manager
+    with KVEventSubscriber(endpoint, topic="kv") as sub:
+        time.sleep(0.3)
+        for i in range(0, 8, 2): llm.generate(prompts[i:i + 2], SamplingParams(max_tokens=3), use_tqdm=False)
+        mirror = PrefixCacheMirror(seed=os.environ.get("PYTHONHASHSEED", DEFAULT_SEED))
+        mirror.feed(list(sub.frames(idle=1.0)))
+        d = mirror.decoder
+        assert (d.malformed, d.missed, mirror.block_size) == (0, 0, 16) and mirror.removed > 0   # the pool overflowed
+        assert set(mirror.blocks) == set(bm._event_hash.values()) and len(mirror.blocks) == len(bm.hash_to_block)
+        for ids in prompts + [system + [7] * 40, [7] + system]:
+            assert mirror.cached_prefix(ids) == _pagednb_cached(bm, ids)
+        assert any(mirror.cached_prefix(p) > 0 for p in prompts)
+        first = next(iter(mirror.blocks.values()))
+        assert first.media == {"GPU"} and len(first.token_ids) == 16
+        assert llm.reset_prefix_cache()
+        mirror.feed(list(sub.frames(idle=1.0)))
+    assert (mirror.blocks, mirror.cleared) == ({}, 1)
+    llm.shutdown()
+
+def test_publisher_frames_and_replay(tmp_path):
+    import zmq
+    endpoint, replay = f"ipc://{tmp_path}/pub.ipc", f"ipc://{tmp_path}/replay.ipc"
+    pub = make_event_publisher({"enable_kv_cache_events": True, "endpoint": endpoint, "replay_endpoint": replay,
+                                "buffer_steps": 2, "topic": "kv"})
+    stored = BlockStored([1, 2], None, list(range(32)), 16, None, "GPU", None, [None, None], 0, "full_attention")
+    with KVEventSubscriber(endpoint, topic="kv") as sub:
+        time.sleep(0.3)
+        for ev in (stored, BlockRemoved([2], "GPU", 0), AllBlocksCleared()): pub.publish([ev])
+        got = list(sub.frames(idle=0.5))
+    assert [f.seq for f in got] == [0, 1, 2]
+    assert [e for f in got for e in EventDecoder().decode(f)] == [stored, BlockRemoved([2], "GPU", 0), AllBlocksCleared()]
+    batch = msgspec.msgpack.decode(got[0].payload)                     # vLLM >= 0.26's wire form
+    assert batch[2] == 0 and batch[1][0]["type"] == "BlockStored" and batch[1][0]["medium"] == "GPU"
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.connect(replay)
+    dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+    seqs = []
+    while not seqs or seqs[-1] != -1:
+        assert dealer.poll(5000)
+        seqs.append(int.from_bytes(dealer.recv_multipart()[1], "big", signed=True))
+    dealer.close(linger=0)
+    pub.shutdown()
+    assert seqs == [1, 2, -1]                                         # only the last buffer_steps batches are kept
+
+def test_kv_events_config_is_vllms():
+    assert make_event_publisher(None) is None and make_event_publisher({"publisher": "zmq"}) is None   # events off
+    assert type(make_event_publisher({"enable_kv_cache_events": True, "publisher": "null"})).__name__ == "NullEventPublisher"
+    assert kv_events_config('{"enable_kv_cache_events": true}').publisher == "zmq"
+    with pytest.raises(ValueError, match="unknown fields"): kv_events_config({"endpoints": "tcp://*:1"})
+    from pagednb.engine_args import EngineArgs
+    with pytest.raises(ValueError, match="publisher='kafka' is unknown"): EngineArgs(kv_events_config={"publisher": "kafka"})
+    assert msgspec.msgpack.decode(encode_batch([], ts=2.0)) == [2.0, [], 0]
+
+def test_mirror_figure_draws_blocks_by_chain_and_medium():
+    from pagednb.vllm_events import mirror_figure, mirror_layout
+    m = PrefixCacheMirror(seed=META["pythonhashseed"])
+    m.feed(FRAMES)
+    pos = mirror_layout(m)
+    assert sorted(pos.values()) == [(0, 0), (1, 0), (2, 0), (2, 1)]          # two branches off the system prompt
+    m._store(BlockStored([99], None, list(range(128)), 128, medium="CPU"))    # an offloaded block of its own
+    fig = mirror_figure(m, META["token_ids"][0][:256] + [42] * 200)
+    assert [len(t.x) for t in fig.data[1:]] == [4, 1, 0] and fig.layout.title.text.endswith("2 blocks of the prompt held")
+    assert mirror_figure(PrefixCacheMirror()).data[1].x == ()                 # nothing held: an empty figure, no error
