@@ -133,8 +133,8 @@ def decode_inputs(tables, tokens, positions, block_size, device):
 
 # %% ../nbs/06_runner.ipynb #9247523f
 def _cpu_ready(q, k, v, kc, num_tokens):
-    "Whether this layer's tensors are as the C++ kernel needs them (same dtype, contiguous, the step's size)."
-    same = q.dtype == k.dtype == v.dtype == kc.dtype and k.shape == v.shape and k.shape[1:] == kc.shape[2:]
+    "Whether this layer's tensors are as the C++ kernel needs them (q, k, v in one dtype, contiguous, the step's size)."
+    same = q.dtype == k.dtype == v.dtype and k.shape == v.shape and k.shape[1:] == kc.shape[2:]
     sized = q.shape[0] == k.shape[0] == num_tokens
     return same and sized and q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
 
@@ -170,7 +170,6 @@ class PagedAttentionBackend:
         self.layers = layer_views(kv_cache, specs, groups)             # each layer's cache views, once
         self.k_scales = _layer_scales("k_scale", k_scales, specs)        # 1.0 each, unless given
         self.v_scales = _layer_scales("v_scale", v_scales, specs)
-        self.scaled = {*self.k_scales, *self.v_scales} != {1.0}           # the C++ kernel reads unscaled caches only
         self.inputs = self.path = self._step = None
         self.plans, self.kernels = {}, {}
 
@@ -180,7 +179,6 @@ def _prepare(self: PagedAttentionBackend, x, q, kc):
     "On a step's first layer: pick its path; each group's metadata is checked on its first layer."
     backend = self.backend or default_backend(kc.device)
     self._step, self.path, self._torch = x, attention_path(backend, q, kc), backend == "torch"
-    if self.path == "cpu" and self.scaled: self.path = "torch"            # C++: unscaled caches only
     self.plans, self.kernels = {}, {}
     self._order = cpu_kernel_order(x.seq_lens, x.query_start_loc) if self.path == "cpu" else None
 
@@ -201,12 +199,12 @@ def __call__(self: PagedAttentionBackend, layer, q, k, v):
     x, (kc, vc, g, spec, kw) = self.inputs, self.layers[layer]
     if self._step is not x: self._prepare(x, q, kc)
     if g not in self.plans and g not in self.kernels: self._prepare_group(x, g, kc, spec)
+    scales = dict(k_scale=self.k_scales[layer], v_scale=self.v_scales[layer])
     if self.path == "cpu" and _cpu_ready(q, k, v, kc, x.input_ids.shape[0]):
         kernel = self.kernels[g]
-        kernel.store_kv(k, v, kc, vc)
-        return kernel.attend(q, kc, vc, **kw)
+        kernel.store_kv(k, v, kc, vc, **scales)
+        return kernel.attend(q, kc, vc, **kw, **scales)
     bt, slots = x.group(g)
-    scales = dict(k_scale=self.k_scales[layer], v_scale=self.v_scales[layer])
     store_kv(k, v, kc, vc, slots, backend=self.backend, **scales)
     return paged_attention(q, kc, vc, bt, x.seq_lens, x.query_start_loc, spec.scale, backend=self.backend,
                            max_query_len=x.max_query_len, max_seq_len=x.max_seq_len, plan=self.plans.get(g), **kw,
@@ -287,7 +285,7 @@ class ModelRunner:
                  kv_cache_dtype="auto", kv_scales=None):
         c, w = model.config, model.lm_head.weight
         self.kv_dtype = kv_storage_dtype(kv_cache_dtype, w.dtype)       # what the pool holds (`04`)
-        # a pool not in float32 skips the C++ kernel (`attention_path`); Triton converts pages but takes no scales
+        # the C++ kernel (`04a`) and Triton convert a smaller pool's pages as they read; Triton takes no scales
         if kv_scales is not None: attention_backend = "torch"
         self.model, self.block_size, self.device = model, block_size, w.device
         if pack_weights is None:

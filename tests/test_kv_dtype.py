@@ -5,6 +5,7 @@ from transformers import DynamicCache
 from pagednb.attention import (KV_STORAGE_DTYPES, kv_storage_dtype, check_kv_scale, quantize_kv, dequantize_kv,
                                make_paged_problem, paged_attention_torch, store_kv, paged_attention)
 from pagednb.runner import PagedAttentionBackend
+from pagednb.cpu_attention import cpu_kernel
 from pagednb.engine import LLM
 from pagednb.sampling import SamplingParams
 from pagednb.model import load_model, resolve_model
@@ -133,6 +134,7 @@ def test_16_bit_cache_matches_rounding_hf(parts, prompts, hf, name):
     llm, got = engine_greedy(parts, prompts, kv_cache_dtype=name)
     assert got == want
     assert llm.engine.runner.kv_cache.dtype == dt
+    assert llm.engine.runner.attn.path == ("cpu" if cpu_kernel() else "torch")     # the C++ kernel reads 16 bits
     m = llm.get_metrics()
     assert (m["kv_cache_dtype"], m["kv_bytes_per_token"]) == (name, 30 * 2 * 3 * 64 * 2)
     again = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW), use_tqdm=False)
@@ -215,3 +217,44 @@ def test_hybrid_groups_in_16_bits(tmp_path):
         llm = LLM(parts, log=False, max_model_len=256, kv_cache_dtype="bfloat16", **kw)
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == want
         assert len(llm.engine.kv_groups) == 2 and llm.engine.runner.kv_cache.dtype == torch.bfloat16
+
+# --- the C++ CPU kernel: converts 16- and 8-bit pages in registers ----------------------------------------------
+
+def _cpu_kernel():
+    import pagednb.cpu_attention as C
+    if C.cpu_kernel() is None: pytest.skip("no C++ compiler: the CPU kernel is unavailable here")
+    return C
+
+CPU_SHAPES = [(9, 3, 64, 16), (8, 1, 128, 16), (4, 4, 16, 8), (14, 2, 32, 32)]     # H, kv heads, head_dim, block
+
+@pytest.mark.parametrize("name", list(KV_STORAGE_DTYPES))
+@pytest.mark.parametrize("shape", CPU_SHAPES)
+def test_cpu_kernel_reads_the_quantised_cache(name, shape):
+    "Both kernels (16- and 8-lane) over a NaN-poisoned quantised cache, decodes and prefills, against the torch path."
+    C, dt, (H, kvh, D, bs) = _cpu_kernel(), KV_STORAGE_DTYPES[name], shape
+    p = make_paged_problem([1, 13, 30, 70], query_lens=[1, 1, 4, 20], num_heads=H, num_kv_heads=kvh, head_dim=D,
+                           block_size=bs, seed=D).fill()
+    q, kc, vc, bt, sl, qsl, sc = p.args
+    for ks, vs in ((1.0, 1.0), (0.25, 3.0)):
+        kq, vq = quantize_kv(kc * 4, dt, ks), quantize_kv(vc, dt, vs)           # NaN stays NaN: unused slots
+        want = paged_attention_torch(q, kq, vq, bt, sl, qsl, sc, k_scale=ks, v_scale=vs)
+        for wide in (True, False):
+            got = C.paged_attention_cpu(q, kq, vq, bt, sl, qsl, sc, wide=wide, k_scale=ks, v_scale=vs)
+            assert got.isfinite().all()
+            torch.testing.assert_close(got, want, rtol=5e-5, atol=5e-5)
+
+@pytest.mark.parametrize("name", list(KV_STORAGE_DTYPES))
+def test_cpu_kernel_reads_every_bit_pattern(name):
+    "Each stored bit pattern read back exactly as torch casts it (inf, NaN, subnormals): sequences of one token."
+    C, dt = _cpu_kernel(), KV_STORAGE_DTYPES[name]
+    bits = torch.arange(2 ** (8 * dt.itemsize), dtype=torch.int32)
+    raw = bits.to(torch.uint8) if dt.itemsize == 1 else bits.to(torch.int16)   # int16 wraps: the same 16 bits
+    D = 64
+    v = raw.view(dt).view(-1, 1, 1, D)                                          # one token per page
+    n = v.shape[0]
+    q, k = torch.randn(n, 1, D), torch.zeros(n, 1, 1, D, dtype=dt)
+    args = (torch.arange(n, dtype=torch.int32)[:, None], torch.ones(n, dtype=torch.int32),
+            torch.arange(n + 1, dtype=torch.int32), D**-0.5)
+    for wide in (True, False):
+        got = C.paged_attention_cpu(q, k, v, *args, wide=wide, v_scale=2.0)
+        torch.testing.assert_close(got.view(-1), v.float().view(-1) * 2.0, rtol=0, atol=0, equal_nan=True)
