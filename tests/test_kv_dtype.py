@@ -258,3 +258,54 @@ def test_cpu_kernel_reads_every_bit_pattern(name):
     for wide in (True, False):
         got = C.paged_attention_cpu(q, k, v, *args, wide=wide, v_scale=2.0)
         torch.testing.assert_close(got.view(-1), v.float().view(-1) * 2.0, rtol=0, atol=0, equal_nan=True)
+
+# --- scales: from a checkpoint, or measured (calculate_kv_scales) ------------------------------------------------
+
+def _with_scales(path, scales):
+    "Add `scales` ({name: tensor}) to the tiny checkpoint saved in `path`."
+    from safetensors.torch import load_file, save_file
+    f = path / "model.safetensors"
+    save_file({**load_file(f), **scales}, f, metadata={"format": "pt"})
+
+def test_checkpoint_scales_are_read_and_applied(tmp_path):
+    "vLLM's names, in a tiny checkpoint: an fp8 engine's layers take them (the C++ path reads scaled caches)."
+    from helpers import tiny_hf_model
+    tiny_hf_model("llama", tmp_path)
+    _with_scales(tmp_path, {"model.layers.0.self_attn.k_scale": torch.tensor(0.0625),
+                            "model.layers.1.self_attn.attn.v_scale": torch.tensor([0.03125]),
+                            "model.layers.1.self_attn.k_proj.k_scale": torch.tensor(0.125)})
+    parts = load_model(tmp_path, dtype="float32", device="cpu")
+    assert parts[0].kv_scales == ([0.0625, 0.125], [1.0, 0.03125])
+    sp = SamplingParams(temperature=0, max_tokens=8, min_tokens=8)
+    outs = {}
+    for name in ("fp8", "bfloat16"):
+        llm = LLM(parts, log=False, max_model_len=128, kv_cache_dtype=name)
+        outs[name] = llm.generate([[5, 9, 30, 7, 2, 11]], sp, use_tqdm=False)[0].outputs[0].token_ids
+        a = llm.engine.runner.attn
+        want = ([0.0625, 0.125], [1.0, 0.03125]) if name == "fp8" else ([1.0] * 2, [1.0] * 2)   # 16 bits: unscaled
+        assert (a.k_scales, a.v_scales) == want
+    assert len(outs["fp8"]) == 8
+
+def test_checkpoint_scale_of_the_wrong_shape(tmp_path):
+    from helpers import tiny_hf_model
+    tiny_hf_model("llama", tmp_path)
+    _with_scales(tmp_path, {"model.layers.1.self_attn.v_scale": torch.ones(2)})
+    with pytest.raises(ValueError, match=r"model.layers.1.self_attn.v_scale has shape \(2,\): a KV cache scale is one"):
+        load_model(tmp_path, dtype="float32", device="cpu")
+
+def test_calculate_kv_scales_measures_the_first_step(tmp_path):
+    "calculate_kv_scales: each layer's largest |K| / 200 and |V| / 100 over the first step (the prompt), as vLLM."
+    from helpers import tiny_hf_model
+    hf = tiny_hf_model("llama", tmp_path)
+    parts = load_model(tmp_path, dtype="float32", device="cpu")
+    prompt = [5, 9, 30, 7, 2, 11, 40, 3]
+    llm = LLM(parts, log=False, max_model_len=128, kv_cache_dtype="fp8_e4m3", calculate_kv_scales=True)
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    cache = hf(torch.tensor([prompt]), use_cache=True).past_key_values
+    kv = [(cache.layers[l].keys, cache.layers[l].values) for l in range(2)]        # what each layer stored
+    a = llm.engine.runner.attn
+    want = [[float(k.abs().amax()) / 200 for k, _ in kv], [float(v.abs().amax()) / 100 for _, v in kv]]
+    # layer 0 reads the prompt as HF does; layer 1's input has been through layer 0's fp8 cache already
+    assert [a.k_scales[0], a.v_scales[0]] == pytest.approx([want[0][0], want[1][0]], rel=1e-5)
+    assert [a.k_scales[1], a.v_scales[1]] == pytest.approx([want[0][1], want[1][1]], rel=2e-2)
+    assert not a.measuring
