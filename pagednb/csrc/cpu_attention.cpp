@@ -54,6 +54,8 @@ static inline v8 vexp(v8 x) { return exp_neg<v8, i8>(x); }
 // into a float16's place and converted by that same instruction (or, without F16C, by to_float's integer ops).
 typedef uint16_t u16x8 __attribute__((vector_size(16), aligned(1)));
 typedef uint8_t u8x8 __attribute__((vector_size(8), aligned(1)));
+typedef int16_t s16x8 __attribute__((vector_size(16), aligned(1)));
+typedef int8_t s8x8 __attribute__((vector_size(8), aligned(1)));
 template <class V>
 struct Lanes;
 template <>
@@ -61,6 +63,8 @@ struct Lanes<v8> {
   typedef i8 I;
   typedef u16x8 U16;
   typedef u8x8 U8;
+  typedef s16x8 S16;
+  typedef s8x8 S8;
 };
 
 // W unsigned elements (U: W of them) at p, each zero-extended to a 32-bit int
@@ -152,18 +156,21 @@ struct E5M2 {
   template <class V>
   static V load(const S* p) { return halves<V>(bytes<V>(p) << 8); }
 };
-// e4m3fn: sign to bit 15, exponent and mantissa to bits 7-13 make a float16 of the same bits whose exponent is
-// biased by 15 instead of 7 (subnormals included): the value / 2^8. `unit` says so, and the kernels fold the 2^8
-// into the query's scale (K) and the output's (V). Its one NaN pattern (S.1111.111) is put back to NaN.
+// e4m3fn: each byte sign-extended to 16 bits and shifted left by 7 puts its exponent and mantissa in bits 7-13 and
+// its sign in bits 14 and 15; bit 14 cleared, that is a float16 of the same bits whose exponent is biased by 15
+// instead of 7 (subnormals included): the value / 2^8. `unit` says so, and the kernels fold the 2^8 into the
+// query's scale (K) and the output's (V). e4m3fn's NaN (S.1111.111), which the store never writes (it saturates),
+// would read as +-480.
 struct E4M3 {
   typedef uint8_t S;
   static constexpr float unit = 256.f;
   template <class V>
   static V load(const S* p) {
-    typedef typename Lanes<V>::I I;
-    const typename Lanes<V>::U16 b = bytes<V>(p);
-    const I nan = __builtin_convertvector((b & 0x7f) == 0x7f, I);
-    return nan ? V{} + NAN : halves<V>(((b & 0x7f) << 7) | ((b & 0x80) << 8));
+    typedef typename Lanes<V>::U16 U16;
+    typename Lanes<V>::S8 b;
+    std::memcpy(&b, p, sizeof b);
+    const typename Lanes<V>::S16 h = __builtin_convertvector(b, typename Lanes<V>::S16) << 7;
+    return halves<V>(__builtin_convertvector(h, U16) & 0xbfff);
   }
 };
 // 8 (kv8) or 16 (kv16) elements of a cache in format T as floats (/ T::unit); PF<T>: elements in a 64-byte
@@ -197,11 +204,15 @@ static inline v16 vexp(v16 x) { return exp_neg<v16, i16>(x); }
 
 typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(1)));
 typedef uint8_t u8x16 __attribute__((vector_size(16), aligned(1)));
+typedef int16_t s16x16 __attribute__((vector_size(32), aligned(1)));
+typedef int8_t s8x16 __attribute__((vector_size(16), aligned(1)));
 template <>
 struct Lanes<v16> {
   typedef i16 I;
   typedef u16x16 U16;
   typedef u8x16 U8;
+  typedef s16x16 S16;
+  typedef s8x16 S8;
 };
 template <>
 inline v16 halves<v16>(u16x16 h) {
