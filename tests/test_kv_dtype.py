@@ -118,7 +118,7 @@ def hf_greedy(hf, prompts, eos, kv_dtype=None):
     return out
 
 def engine_greedy(parts, prompts, **kw):
-    llm = LLM(parts, log=False, max_model_len=512, kv_cache_memory_bytes=32 << 20, **kw)
+    llm = LLM(parts, log=False, **(dict(max_model_len=512, kv_cache_memory_bytes=32 << 20) | kw))
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW), use_tqdm=False)
     return llm, [o.outputs[0].token_ids for o in outs]
 
@@ -142,6 +142,11 @@ def test_16_bit_cache_matches_rounding_hf(parts, prompts, hf, name):
     assert llm.get_metrics()["prefix_cache_hits"] > 0
     _, chunked = engine_greedy(parts, prompts, kv_cache_dtype=name, max_num_batched_tokens=16)
     assert chunked == want
+    if name != "bfloat16": return
+    tight, got = engine_greedy(parts, prompts, kv_cache_dtype=name, max_model_len=96, num_gpu_blocks_override=6)
+    assert got == want and tight.get_metrics()["num_preemptions"] > 0             # recomputed into the 16-bit pool
+    ngram = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_max=3)
+    assert engine_greedy(parts, prompts, kv_cache_dtype=name, speculative_config=ngram)[1] == want
 
 def test_same_bytes_hold_more_tokens(parts):
     block = 30 * 2 * 3 * 64 * 4 * 16                                  # one float32 block of SmolLM2: 720 KiB
