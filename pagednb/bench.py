@@ -6,14 +6,16 @@ Docs: https://pagednb.github.io/pagednb/benchmarks.html.md"""
 
 # %% auto #0
 __all__ = ['VLLM_ENV', 'PREFIX_SIZES', 'CHUNKED_SIZES', 'GROUNDED_PROMPTS', 'OPEN_PROMPTS', 'NGRAM', 'SPEC_CONFIGS',
-           'machine_info', 'Workload', 'random_prompt', 'make_workload', 'greedy', 'kv_bytes_for', 'run_pagednb',
-           'resolve_model_path', 'load_hf', 'run_hf', 'venv_tool', 'find_vllm_python', 'run_vllm', 'bench_throughput',
-           'format_throughput', 'prefix_workloads', 'bench_prefix', 'format_prefix', 'stream_token_times',
-           'bench_chunked', 'format_chunked', 'bench_spec', 'format_spec', 'profile_pagednb', 'format_profile',
-           'host_model', 'bench_host', 'format_host']
+           'DRIFT_PROMPTS', 'machine_info', 'Workload', 'random_prompt', 'make_workload', 'greedy', 'kv_bytes_for',
+           'run_pagednb', 'resolve_model_path', 'load_hf', 'run_hf', 'venv_tool', 'find_vllm_python', 'run_vllm',
+           'bench_throughput', 'format_throughput', 'prefix_workloads', 'bench_prefix', 'format_prefix',
+           'stream_token_times', 'bench_chunked', 'format_chunked', 'bench_spec', 'format_spec', 'profile_pagednb',
+           'format_profile', 'host_model', 'bench_host', 'format_host', 'drift_text', 'kv_drift', 'format_kv_drift',
+           'kv_dtype_speed', 'format_kv_dtype_speed', 'bench_kv_dtype', 'format_kv_dtype']
 
 # %% ../nbs/09_benchmarks.ipynb #d6f3b17d
-import json, os, platform, random, statistics, subprocess, sys, tempfile, time, textwrap
+import json, math, os, platform, random, statistics, subprocess, sys, tempfile, time, textwrap
+from importlib.resources import files
 from dataclasses import dataclass, field, asdict
 import torch
 import torch.nn as nn
@@ -23,7 +25,7 @@ from . import engine as E, runner as R, attention as A, cpu_ops as O, cpu_attent
 from .engine import LLM
 from .sampling import SamplingParams
 from .kv_cache import kv_bytes_per_token
-from .model import resolve_model, ModelConfig, CausalLM, embedded_model_path
+from .model import load_model, resolve_model, ModelConfig, CausalLM, embedded_model_path
 
 # %% ../nbs/09_benchmarks.ipynb #64160df6
 def _cpu_name():
@@ -742,3 +744,124 @@ def format_host(r):
     cols = [("batch", "batch"), ("step_ms", "step ms"), ("forward_ms", "forward ms"),
             ("per_layer_us", "µs per layer"), ("rest_ms", "rest of step ms")]
     return "\n".join([head, _table(r["rows"], cols)])
+
+# %% ../nbs/09_benchmarks.ipynb #cb50c229
+def drift_text() -> str:
+    "The drift report's fixed text: about 3,300 tokens of pagednb's own lesson prose, shipped with the package."
+    return (files("pagednb")/"data"/"kv_drift.txt").read_text()
+
+# %% ../nbs/09_benchmarks.ipynb #27439ded
+DRIFT_PROMPTS = ("What is a page table?", "Why does a KV cache grow with the context?",
+                 "Name two scheduling policies.", "What does a block table map?")
+
+def _drift_run(parts, kv_cache_dtype, scaled, ids, prompts, max_tokens):
+    "One cache's logprob and top-1 at each position of `ids`, its greedy answers to `prompts`, and its scales."
+    tokens = len(ids) + len(prompts) * (128 + max_tokens)                # the text, then the chats at once
+    pool = int(1.25 * tokens * kv_bytes_per_token(parts[0].config, torch.float32)) + (16 << 20)
+    llm = LLM(parts, log=False, kv_cache_dtype=kv_cache_dtype, calculate_kv_scales=scaled, max_num_batched_tokens=256,
+              max_model_len=max(len(ids), 256) + max_tokens, kv_cache_memory_bytes=pool)
+    rows = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0].prompt_logprobs[1:]
+    chats = [llm.get_tokenizer().apply_chat_template([dict(role="user", content=p)], add_generation_prompt=True,
+                                                     tokenize=False) for p in prompts]
+    outs = llm.generate(chats, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+    a = llm.engine.runner.attn
+    return dict(logprobs=[row[t].logprob for row, t in zip(rows, ids[1:])],
+                top1=[next(t for t, lp in row.items() if lp.rank == 1) for row in rows],
+                greedy=[o.outputs[0].token_ids for o in outs],
+                bytes_per_token=llm.engine.kv_bytes_per_token, k_scale=statistics.fmean(a.k_scales))
+
+# %% ../nbs/09_benchmarks.ipynb #f7f40e1a
+def _first_divergence(a, b):
+    "The first index where token lists `a` and `b` differ (None: not within the shorter one)."
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+def _ppl(lps): return round(math.exp(-statistics.fmean(lps)), 3) if lps else None
+
+# %% ../nbs/09_benchmarks.ipynb #e8f9075d
+def _drift_row(name, scaled, r, base, short):
+    "One cache's row: bytes per token, perplexity and top-1 agreement with `base` at short and long context."
+    agree = lambda a, b: round(statistics.fmean(x == y for x, y in zip(a, b)), 4) if a else None
+    halves = lambda xs: (xs[:short], xs[short:])                        # context < short, then the rest
+    ppl, ppl0 = [_ppl(x) for x in halves(r["logprobs"])], [_ppl(x) for x in halves(base["logprobs"])]
+    change = [None if p is None else round(100 * (p / q - 1), 2) for p, q in zip(ppl, ppl0)]
+    top1 = [agree(a, b) for a, b in zip(halves(r["top1"]), halves(base["top1"]))]
+    return dict(kv_cache_dtype=name, scales="measured" if scaled else "1.0", bytes_per_token=r["bytes_per_token"],
+                ppl_short=ppl[0], ppl_long=ppl[1], ppl_change_short_pct=change[0], ppl_change_long_pct=change[1],
+                top1_short=top1[0], top1_long=top1[1],
+                first_divergence=[_first_divergence(g, b) for g, b in zip(r["greedy"], base["greedy"])],
+                mean_k_scale=round(r["k_scale"], 5))
+
+# %% ../nbs/09_benchmarks.ipynb #dbc56794
+def kv_drift(model_path=None, dtypes=("bfloat16", "fp8_e4m3", "fp8_e5m2"), scales=(False, True), contexts=(256, 2048),
+             prompts=DRIFT_PROMPTS, max_tokens=32, quick=False, parts=None) -> dict:
+    "Each `kv_cache_dtype` against `auto`: perplexity, top-1 agreement and first greedy divergence (fp8 with `scales`)."
+    if quick: contexts, prompts, max_tokens = (48, 144), prompts[:2], 8
+    parts = parts or load_model(model_path)
+    ids = parts[1](drift_text())["input_ids"][:contexts[1]]
+    run = lambda name, scaled: _drift_run(parts, name, scaled, ids, prompts, max_tokens)
+    base = run("auto", False)
+    configs = [("auto", False)] + [(d, s) for d in dtypes for s in (scales if d.startswith("fp8") else (False,))]
+    rows = [_drift_row(d, s, base if d == "auto" else run(d, s), base, contexts[0] - 1) for d, s in configs]
+    return dict(model=str(model_path or "SmolLM2-135M-Instruct (embedded)"), positions=len(ids) - 1,
+                contexts=list(contexts), max_tokens=max_tokens, prompts=list(prompts), rows=rows)
+
+# %% ../nbs/09_benchmarks.ipynb #2ef4ae4c
+def format_kv_drift(d):
+    "The drift table."
+    head = (f"## KV cache dtype drift: {d['model']}, {d['positions']} text positions (short: context < "
+            f"{d['contexts'][0]}, long: {d['contexts'][0]} to {d['contexts'][1]}), first greedy divergence over "
+            f"{len(d['prompts'])} prompts of {d['max_tokens']} tokens (None: none)")
+    cols = [("kv_cache_dtype", "kv_cache_dtype"), ("scales", "scales"), ("bytes_per_token", "B/token"),
+            ("ppl_short", "ppl short"), ("ppl_change_short_pct", "Δ%"), ("ppl_long", "ppl long"),
+            ("ppl_change_long_pct", "Δ%"), ("top1_short", "top-1 short"), ("top1_long", "top-1 long"),
+            ("first_divergence", "first greedy divergence")]
+    return "\n".join([head, _table(d["rows"], cols)])
+
+# %% ../nbs/09_benchmarks.ipynb #73c0f98e
+def kv_dtype_speed(dtypes=("auto", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2"), contexts=(512, 2048, 8192), batch=8,
+                   num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, reps=10) -> list:
+    "Decode attention on the C++ kernel per cache dtype and context length: time per call, bytes read, bandwidth."
+    rows = []
+    for L in contexts:
+        p = A.make_paged_problem([L] * batch, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                                 block_size=block_size).fill()
+        q, kc, vc, bt, sl, qsl, sc = p.args
+        base = None
+        for name in dtypes:
+            dt = torch.float32 if name == "auto" else A.kv_storage_dtype(name, torch.float32)
+            k, v = A.quantize_kv(kc, dt), A.quantize_kv(vc, dt)
+            call = lambda: C.paged_attention_cpu(q, k, v, bt, sl, qsl, sc, checked=True)
+            call()
+            secs = min(_timed(call) for _ in range(reps))
+            nbytes = 2 * batch * L * num_kv_heads * head_dim * dt.itemsize
+            base = base or secs
+            rows.append(dict(kv_cache_dtype=name, context=L, us=round(secs * 1e6, 1), bytes=nbytes,
+                             MB=round(nbytes / 1e6, 2), GBps=round(nbytes / secs / 1e9, 2), speedup=round(base / secs, 2)))
+    return rows
+
+# %% ../nbs/09_benchmarks.ipynb #8817c940
+def _timed(f):
+    "Seconds of one call of `f`."
+    t = time.perf_counter()
+    f()
+    return time.perf_counter() - t
+
+def format_kv_dtype_speed(rows, threads=None):
+    "The decode-attention speed table."
+    on = f"C++ kernel, {threads} thread(s)" if threads else "C++ kernel"
+    head = f"## Decode attention per KV cache dtype ({on}; the best of the calls)"
+    cols = [("kv_cache_dtype", "kv_cache_dtype"), ("context", "context"), ("us", "µs per call"), ("MB", "MB read"),
+            ("GBps", "GB/s"), ("speedup", "× auto")]
+    return "\n".join([head, _table(rows, cols)])
+
+# %% ../nbs/09_benchmarks.ipynb #893e908b
+def bench_kv_dtype(parts, quick=False, **llm_kwargs) -> dict:
+    "`pagednb bench --only kv-dtype`: the drift report and the decode-attention speed per KV cache dtype."
+    drift = kv_drift(parts=parts, quick=quick, **(dict(dtypes=("fp8_e4m3",)) if quick else {}))
+    sizes = dict(contexts=(256, 1024), batch=4, reps=3) if quick else {}
+    speed = kv_dtype_speed(**sizes) if C.cpu_kernel() is not None else []
+    return dict(drift=drift, speed=speed, threads=torch.get_num_threads())
+
+def format_kv_dtype(r):
+    "The kv-dtype benchmark's tables."
+    return "\n\n".join([format_kv_drift(r["drift"]), format_kv_dtype_speed(r["speed"], r["threads"])])

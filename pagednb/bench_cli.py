@@ -14,6 +14,7 @@ import pagednb
 from .bench import (VLLM_ENV, _workload, bench_chunked, bench_host, bench_prefix, bench_spec, bench_throughput,
                            find_vllm_python, format_chunked, format_host, format_prefix, format_profile, format_spec,
                            format_throughput, load_hf, machine_info, profile_pagednb)
+from .bench import bench_kv_dtype, format_kv_dtype
 from .bench_serving import GUIDELLM_ENV, GUIDELLM_SWEEP, bench_guidellm, find_guidellm, format_guidellm
 from .engine_args import EngineArgs, add_cli_args, check_engine_runs, from_cli_args
 from .replay import add_replay_args, bench_replay, format_replay, replay_json_lines, replay_options
@@ -46,6 +47,8 @@ DEFAULT_BENCHMARKS = ("throughput", "prefix", "chunked", "spec")
 FORMATTERS = dict(throughput=format_throughput, prefix=format_prefix, chunked=format_chunked,
                   profile=format_profile, spec=format_spec, guidellm=format_guidellm, host=format_host)
 FORMATTERS["guidellm-sweep"], FORMATTERS["replay"] = format_guidellm, format_replay
+BENCHMARKS["kv-dtype"] = lambda ctx: bench_kv_dtype(ctx["parts"], quick=ctx["quick"])     # drift and speed per dtype
+FORMATTERS["kv-dtype"] = format_kv_dtype
 
 # %% ../nbs/09f_bench_cli.ipynb #f9be46e5
 def format_report(report) -> str:

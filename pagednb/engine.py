@@ -123,10 +123,18 @@ def _build(self: LLMEngine, args: EngineArgs):
     self.block_manager = make_block_manager(num_blocks, bs, args.enable_prefix_caching, windows=windows)
     self.scheduler = Scheduler(c, self.block_manager)
     self.runner = ModelRunner(self.model, num_blocks, bs, args.attention_backend, groups=groups,
-                              kv_cache_dtype=args.kv_cache_dtype)
+                              kv_cache_dtype=args.kv_cache_dtype, **self._kv_scales(args))
     self.kv_line = self._kv_line(num_blocks, block_bytes)
     if args.log: print(self.kv_line, flush=True)
     give_back_memory()                                   # loading and packing leave freed heap pages behind
+
+# %% ../nbs/06b_engine.ipynb #dc91205e
+@patch
+def _kv_scales(self: LLMEngine, args) -> dict:
+    "The runner's scale keywords: an fp8 cache's from the checkpoint, or measured; other caches ignore them (vLLM)."
+    if not args.kv_cache_dtype.startswith("fp8"): return {}
+    if args.calculate_kv_scales: return dict(calculate_kv_scales=True)
+    return dict(kv_scales=getattr(self.model, "kv_scales", None))
 
 # %% ../nbs/06b_engine.ipynb #engine-num-blocks
 @patch

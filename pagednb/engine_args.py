@@ -165,6 +165,8 @@ _HELP = dict(
                                  "(default: half the budget for a running prompt while another request waits)",
     kv_cache_dtype="the KV cache's storage dtype: auto (the model's dtype), float16, bfloat16, fp8 (= fp8_e4m3), "
                    "fp8_e4m3 or fp8_e5m2; fewer bytes per token hold more tokens",
+    calculate_kv_scales="an fp8 cache's k_scale and v_scale measured on the first step (largest |K| / 200, |V| / 100) "
+                        "instead of read from the checkpoint (or 1.0)",
     generation_config="sampling defaults: auto (the model's generation_config.json), vllm (none) or a folder",
     speculative_config=f"speculative decoding as JSON, e.g. '{_SPEC_EXAMPLE}'",
     kv_events_config="publish KV-cache events as vLLM does, as JSON, e.g. '{\"enable_kv_cache_events\": true, "
@@ -196,6 +198,7 @@ class EngineArgs:
                                               "activations and the KV cache (GPU only)", _fraction, type=float)
     kv_cache_memory_bytes: int | None = knob(None, _HELP["kv_cache_memory_bytes"], _bytes, type=parse_size)
     kv_cache_dtype: str = knob("auto", _HELP["kv_cache_dtype"], one_of(KV_CACHE_DTYPES), choices=KV_CACHE_DTYPES)
+    calculate_kv_scales: bool = knob(False, _HELP["calculate_kv_scales"], action=ON_OFF)
     num_gpu_blocks_override: int | None = knob(None, "use exactly this many KV blocks (testing)",
                                                at_least(1, none="what the memory holds"), type=positive_int)
     enable_prefix_caching: bool = knob(True, "share the KV blocks of common prompt prefixes between requests",

@@ -11,10 +11,11 @@ __all__ = ['EMBEDDED_NAME', 'EMBEDDED_GGUF', 'INSTALL_EMBEDDED', 'SUPPORTED_ARCH
            'weight_files', 'generation_defaults', 'RMSNorm', 'rope_inv_freq', 'Rotary', 'Attention', 'MLP',
            'DecoderLayer', 'LlamaBody', 'window_mask', 'attend', 'GemmaRMSNorm', 'ScaledEmbedding', 'GemmaMLP',
            'GemmaDecoderLayer', 'GemmaBody', 'CausalLM', 'NoCacheAttention', 'default_device', 'check_device',
-           'default_dtype', 'resolve_dtype', 'load_state_dict', 'load_model', 'LayerKVCache', 'greedy_generate']
+           'default_dtype', 'resolve_dtype', 'load_state_dict', 'pop_kv_scales', 'load_model', 'LayerKVCache',
+           'greedy_generate']
 
 # %% ../nbs/01_model.ipynb #f542953a
-import json, os, math, time, shutil, tempfile, importlib.util
+import json, os, math, re, time, shutil, tempfile, importlib.util
 from pathlib import Path
 import torch, torch.nn as nn, torch.nn.functional as F
 
@@ -681,6 +682,31 @@ def _load_weights(name_or_path, path):
     path = embedded_model_path()
     return path, load_state_dict(path)
 
+# %% ../nbs/01_model.ipynb #17b94dec
+_KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:attn\.|k_proj\.|v_proj\.)?(k_scale|v_scale|kv_scale)$")
+
+def _kv_scale_value(name, t, layer, num_layers) -> float:
+    "A checkpoint's KV cache scale `name` as a float: one finite number > 0, for a layer the model has."
+    if layer >= num_layers:
+        raise ValueError(f"the checkpoint's {name} is for layer {layer}; the model has {num_layers}")
+    if t.numel() != 1:
+        raise ValueError(f"the checkpoint's {name} has shape {tuple(t.shape)}: a KV cache scale is one number per "
+                         f"layer (shape () or (1,)), as vLLM loads it")
+    v = float(t.float())
+    if not (math.isfinite(v) and v > 0): raise ValueError(f"the checkpoint's {name}={v} is not a finite number > 0")
+    return v
+
+# %% ../nbs/01_model.ipynb #7bbc7af8
+def pop_kv_scales(sd: dict, num_layers: int):
+    "Take a checkpoint's KV cache scales out of `sd` (vLLM's names): per-layer `(k_scales, v_scales)`, or None."
+    found = {}
+    for name in [n for n in sd if _KV_SCALE.match(n)]:
+        layer, kind = _KV_SCALE.match(name).groups()
+        found[int(layer), kind] = _kv_scale_value(name, sd.pop(name), int(layer), num_layers)
+    if not found: return None
+    one = lambda l, kind: found.get((l, kind), found.get((l, "kv_scale"), 1.0))    # kv_scale: both, as vLLM
+    return [one(l, "k_scale") for l in range(num_layers)], [one(l, "v_scale") for l in range(num_layers)]
+
 # %% ../nbs/01_model.ipynb #pl-fresh-rotaries
 def _fresh_rotaries(model: CausalLM, cfg: ModelConfig, device):
     "Compute the RoPE tables (never loaded) on `device`, in float32, and point each layer at its own."
@@ -694,6 +720,7 @@ def _build_model(cfg: ModelConfig, sd: dict, path, device, dtype) -> CausalLM:
     "A `CausalLM` of `cfg` holding the weights `sd` (from `path`), on `device` in `dtype`, for inference."
     sd = {k: v for k, v in sd.items() if not k.endswith("rotary_emb.inv_freq")}
     if cfg.tie_word_embeddings: sd.pop("lm_head.weight", None)
+    kv_scales = pop_kv_scales(sd, cfg.num_hidden_layers)                  # not weights: the KV cache's (04)
     with torch.device("meta"): model = CausalLM(cfg)
     model = model.to_empty(device=device)
     missing, unexpected = model.load_state_dict(sd, strict=False)
@@ -703,6 +730,7 @@ def _build_model(cfg: ModelConfig, sd: dict, path, device, dtype) -> CausalLM:
                          f"missing {missing[:5]}, unexpected {unexpected[:5]}")
     if cfg.tie_word_embeddings: model.lm_head.weight = model.model.embed_tokens.weight
     model = model.to(dtype).eval().requires_grad_(False)
+    model.kv_scales = kv_scales
     _fresh_rotaries(model, cfg, device)
     return model
 

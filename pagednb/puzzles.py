@@ -23,6 +23,7 @@ from .block_manager import BlockManager, Sequence, compute_slot_mapping
 from .prefix_cache import PrefixCachingBlockManager, compute_block_hashes, hash_block
 from .scheduler import Scheduler, SchedulerConfig, Sequence as SchedSequence, SequenceStatus
 from .attention import paged_attention_spec, make_paged_problem, HAS_TRITON, INTERPRETED
+from .attention import kv_storage_dtype, quantize_kv, dequantize_kv
 from .spec_decode import ngram_propose, greedy_accept, rejection_accept
 from .spec_decode import first_token_histogram, chi_square
 from .model import load_model
@@ -907,6 +908,53 @@ register(Puzzle("rejection_sample", "Rejection sampling of drafts", "07_speculat
     'distributed as the target samples."\n'
     '    raise NotImplementedError',
     spec=rejection_accept, n=40, run=_rejection_run))
+
+# %% ../nbs/12_puzzles.ipynb #bdcac035
+def _quantised_spec(query, k_page, v_page, kv_cache_dtype, k_scale, v_scale, scale):
+    "Attention of `query` over one page stored as `kv_cache_dtype` (`x / scale`, saturated), then read back."
+    dt = kv_storage_dtype(kv_cache_dtype, torch.float32)
+    k = dequantize_kv(quantize_kv(k_page, dt, k_scale), scale=k_scale)
+    v = dequantize_kv(quantize_kv(v_page, dt, v_scale), scale=v_scale)
+    G = query.shape[0] // k.shape[1]
+    k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)             # [n, H, D]: grouped-query attention
+    w = (torch.einsum("hd,nhd->hn", query.float(), k) * scale).softmax(-1)
+    return torch.einsum("hn,nhd->hd", w, v)
+
+def _quantised_case_of(n, kvh, D, G, big, kv_cache_dtype, k_scale, v_scale, seed):
+    "One page of `n` tokens, values of size about `big`, and the puzzle's other arguments."
+    g = torch.Generator().manual_seed(seed)
+    k, v = (torch.randn(n, kvh, D, generator=g) * big for _ in range(2))
+    return dict(query=torch.randn(kvh * G, D, generator=g) / big, k_page=k, v_page=v, kv_cache_dtype=kv_cache_dtype,
+                k_scale=k_scale, v_scale=v_scale, scale=D ** -0.5)
+
+# %% ../nbs/12_puzzles.ipynb #b6306316
+def _quantised_case(rng):
+    "A random page: 16- or 8-bit, values up to far beyond fp8's range, scales that are not powers of two."
+    return _quantised_case_of(rng.randint(1, 16), rng.choice([1, 2]), rng.choice([8, 16]), rng.choice([1, 2]),
+                              rng.choice([1.0, 30.0, 1e5]), rng.choice(["bfloat16", "float16", "fp8_e4m3", "fp8_e5m2"]),
+                              rng.choice([1.0, 0.3, 3.0]), rng.choice([1.0, 0.3, 1.7]), rng.randrange(10**6))
+
+def _same_finite(exp, got):
+    "`_same_tensor`, but a NaN or inf says what it means here: a value cast beyond the format's range."
+    if isinstance(got, torch.Tensor) and not got.float().isfinite().all():
+        return "NaN or inf in the output: a value beyond the format's largest was cast, not saturated"
+    return _same_tensor(exp, got)
+
+# %% ../nbs/12_puzzles.ipynb #33fe275a
+register(Puzzle("quantised_attention", "Quantise a page and read it back through the attention", "04_paged_attention",
+    "A cache of `kv_cache_dtype` (`bfloat16`, `float16`, `fp8_e4m3` = torch's `float8_e4m3fn`, `fp8_e5m2`) holds "
+    "`x / k_scale` for K and `x / v_scale` for V, saturated at the format's largest finite value "
+    "(`torch.finfo(dtype).max`) so that no finite input becomes inf or NaN; reading multiplies the scale back. "
+    "Store one page of `n` tokens that way, read it back in float32, and return the attention of the one query "
+    "token (`H` heads; query head `h` reads KV head `h // (H // KVH)`) over the page: `softmax(q . k * scale) @ v`.",
+    'def quantised_attention(query: "[H, D]", k_page: "[n, KVH, D]", v_page: "[n, KVH, D]", kv_cache_dtype: str,\n'
+    '                        k_scale: float, v_scale: float, scale: float) -> "[H, D]":\n'
+    '    "Store a page of K and V as kv_cache_dtype (x / scale, saturated), read it back, attend over it."\n'
+    '    raise NotImplementedError',
+    spec=_quantised_spec, cases=_quantised_case, same=_same_finite, n=60,
+    edge_cases=[_quantised_case_of(5, 2, 8, 2, 1e5, "fp8_e5m2", 1.0, 1.0, 0),
+                _quantised_case_of(9, 1, 16, 2, 3.0, "bfloat16", 0.3, 1.7, 1),
+                _quantised_case_of(3, 2, 8, 1, 30.0, "fp8_e5m2", 3.0, 0.3, 2)]))
 
 # %% ../nbs/12_puzzles.ipynb #98a21865
 def puzzles_table() -> str:

@@ -128,3 +128,17 @@ def test_guidellm_against_pagednb_serve(tmp_path, monkeypatch):
     assert (tmp_path / "seeds").read_text().split() == ["42", "43"]          # each load its own prompts
     assert "skipped" in vllm and VLLM_ENV in vllm["skipped"]
     assert "pagednb serve" in format_guidellm(g)
+
+def test_kv_dtype_quick(capsys):
+    "`pagednb bench --quick --only kv-dtype`: the drift rows against auto and the decode-attention speed per dtype."
+    report = main(["--quick", "--json", "--threads", "1", "--only", "kv-dtype"])
+    r = json.loads(capsys.readouterr().out)["results"]["kv-dtype"]
+    rows = r["drift"]["rows"]
+    want = [("auto", "1.0"), ("fp8_e4m3", "1.0"), ("fp8_e4m3", "measured")]          # quick: e4m3 with and without scales
+    assert [(x["kv_cache_dtype"], x["scales"]) for x in rows] == want
+    assert rows[0]["top1_short"] == rows[0]["top1_long"] == 1.0 and rows[0]["ppl_change_long_pct"] == 0
+    assert rows[1]["bytes_per_token"] * 4 == rows[0]["bytes_per_token"] and 0.5 < rows[1]["top1_long"] <= 1
+    assert all(x["ppl_long"] > 1 for x in rows) and rows[2]["mean_k_scale"] != 1.0
+    assert {s["kv_cache_dtype"] for s in r["speed"]} >= {"auto", "fp8_e5m2"} and all(s["us"] > 0 for s in r["speed"])
+    text = format_report(report)
+    assert "KV cache dtype drift" in text and "Decode attention per KV cache dtype" in text

@@ -150,7 +150,7 @@ def test_sources_are_package_files():
     assert C.CSRC.name == "csrc" and C.CSRC.parent == Path(C.__file__).parent
     assert C.source_files("cpu_attention.cpp") == [C.CSRC/"cpu_attention.cpp", C.CSRC/"cpu_vector.h"]
     assert C.source_files("cpu_ops.cpp") == [C.CSRC/"cpu_ops.cpp", C.CSRC/"cpu_vector.h"]
-    assert "pagednb_paged_attention_f32" in str(C.show_source("cpu_attention.cpp"))
+    assert "pagednb_paged_attention(" in str(C.show_source("cpu_attention.cpp"))
     assert "```cpp" in C.show_source("cpu_vector.h")._repr_markdown_()
     with pytest.raises(FileNotFoundError, match="cpu_attention.cpp"): C.source_path("nope.cpp")
     assert not hasattr(C, "CPU_ATTENTION_SRC")                         # no C++ left in Python strings

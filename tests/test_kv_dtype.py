@@ -5,6 +5,7 @@ from transformers import DynamicCache
 from pagednb.attention import (KV_STORAGE_DTYPES, kv_storage_dtype, check_kv_scale, quantize_kv, dequantize_kv,
                                make_paged_problem, paged_attention_torch, store_kv, paged_attention)
 from pagednb.runner import PagedAttentionBackend
+from pagednb.cpu_attention import cpu_kernel
 from pagednb.engine import LLM
 from pagednb.sampling import SamplingParams
 from pagednb.model import load_model, resolve_model
@@ -117,7 +118,7 @@ def hf_greedy(hf, prompts, eos, kv_dtype=None):
     return out
 
 def engine_greedy(parts, prompts, **kw):
-    llm = LLM(parts, log=False, max_model_len=512, kv_cache_memory_bytes=32 << 20, **kw)
+    llm = LLM(parts, log=False, **(dict(max_model_len=512, kv_cache_memory_bytes=32 << 20) | kw))
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW), use_tqdm=False)
     return llm, [o.outputs[0].token_ids for o in outs]
 
@@ -133,6 +134,7 @@ def test_16_bit_cache_matches_rounding_hf(parts, prompts, hf, name):
     llm, got = engine_greedy(parts, prompts, kv_cache_dtype=name)
     assert got == want
     assert llm.engine.runner.kv_cache.dtype == dt
+    assert llm.engine.runner.attn.path == ("cpu" if cpu_kernel() else "torch")     # the C++ kernel reads 16 bits
     m = llm.get_metrics()
     assert (m["kv_cache_dtype"], m["kv_bytes_per_token"]) == (name, 30 * 2 * 3 * 64 * 2)
     again = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_NEW), use_tqdm=False)
@@ -140,6 +142,11 @@ def test_16_bit_cache_matches_rounding_hf(parts, prompts, hf, name):
     assert llm.get_metrics()["prefix_cache_hits"] > 0
     _, chunked = engine_greedy(parts, prompts, kv_cache_dtype=name, max_num_batched_tokens=16)
     assert chunked == want
+    if name != "bfloat16": return
+    tight, got = engine_greedy(parts, prompts, kv_cache_dtype=name, max_model_len=96, num_gpu_blocks_override=6)
+    assert got == want and tight.get_metrics()["num_preemptions"] > 0             # recomputed into the 16-bit pool
+    ngram = dict(method="ngram", num_speculative_tokens=3, prompt_lookup_max=3)
+    assert engine_greedy(parts, prompts, kv_cache_dtype=name, speculative_config=ngram)[1] == want
 
 def test_same_bytes_hold_more_tokens(parts):
     block = 30 * 2 * 3 * 64 * 4 * 16                                  # one float32 block of SmolLM2: 720 KiB
@@ -215,3 +222,98 @@ def test_hybrid_groups_in_16_bits(tmp_path):
         llm = LLM(parts, log=False, max_model_len=256, kv_cache_dtype="bfloat16", **kw)
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == want
         assert len(llm.engine.kv_groups) == 2 and llm.engine.runner.kv_cache.dtype == torch.bfloat16
+
+# --- the C++ CPU kernel: converts 16- and 8-bit pages in registers ----------------------------------------------
+
+def _cpu_kernel():
+    import pagednb.cpu_attention as C
+    if C.cpu_kernel() is None: pytest.skip("no C++ compiler: the CPU kernel is unavailable here")
+    return C
+
+CPU_SHAPES = [(9, 3, 64, 16), (8, 1, 128, 16), (4, 4, 16, 8), (14, 2, 32, 32)]     # H, kv heads, head_dim, block
+
+@pytest.mark.parametrize("name", list(KV_STORAGE_DTYPES))
+@pytest.mark.parametrize("shape", CPU_SHAPES)
+def test_cpu_kernel_reads_the_quantised_cache(name, shape):
+    "Both kernels (16- and 8-lane) over a NaN-poisoned quantised cache, decodes and prefills, against the torch path."
+    C, dt, (H, kvh, D, bs) = _cpu_kernel(), KV_STORAGE_DTYPES[name], shape
+    p = make_paged_problem([1, 13, 30, 70], query_lens=[1, 1, 4, 20], num_heads=H, num_kv_heads=kvh, head_dim=D,
+                           block_size=bs, seed=D).fill()
+    q, kc, vc, bt, sl, qsl, sc = p.args
+    for ks, vs in ((1.0, 1.0), (0.25, 3.0)):
+        kq, vq = quantize_kv(kc * 4, dt, ks), quantize_kv(vc, dt, vs)           # NaN stays NaN: unused slots
+        want = paged_attention_torch(q, kq, vq, bt, sl, qsl, sc, k_scale=ks, v_scale=vs)
+        for wide in (True, False):
+            got = C.paged_attention_cpu(q, kq, vq, bt, sl, qsl, sc, wide=wide, k_scale=ks, v_scale=vs)
+            assert got.isfinite().all()
+            torch.testing.assert_close(got, want, rtol=5e-5, atol=5e-5)
+
+@pytest.mark.parametrize("name", list(KV_STORAGE_DTYPES))
+def test_cpu_kernel_reads_every_bit_pattern(name):
+    "Each stored bit pattern read back as torch casts it (inf, NaN, subnormals; e4m3 NaN aside): one-token sequences."
+    C, dt = _cpu_kernel(), KV_STORAGE_DTYPES[name]
+    bits = torch.arange(2 ** (8 * dt.itemsize), dtype=torch.int32)
+    raw = bits.to(torch.uint8) if dt.itemsize == 1 else bits.to(torch.int16)   # int16 wraps: the same 16 bits
+    D = 64
+    v = raw.view(dt).view(-1, 1, 1, D)                                          # one token per page
+    n = v.shape[0]
+    q, k = torch.randn(n, 1, D), torch.zeros(n, 1, 1, D, dtype=dt)
+    args = (torch.arange(n, dtype=torch.int32)[:, None], torch.ones(n, dtype=torch.int32),
+            torch.arange(n + 1, dtype=torch.int32), D**-0.5)
+    want = v.float().view(-1)
+    if dt == torch.float8_e4m3fn:                          # its NaN (never stored: the store saturates) reads as +-480
+        want[want.isnan()] = torch.where(raw[want.isnan()] >= 128, -480.0, 480.0)
+    for wide in (True, False):
+        got = C.paged_attention_cpu(q, k, v, *args, wide=wide, v_scale=2.0)
+        torch.testing.assert_close(got.view(-1), want * 2.0, rtol=0, atol=0, equal_nan=True)
+
+# --- scales: from a checkpoint, or measured (calculate_kv_scales) ------------------------------------------------
+
+def _with_scales(path, scales):
+    "Add `scales` ({name: tensor}) to the tiny checkpoint saved in `path`."
+    from safetensors.torch import load_file, save_file
+    f = path / "model.safetensors"
+    save_file({**load_file(f), **scales}, f, metadata={"format": "pt"})
+
+def test_checkpoint_scales_are_read_and_applied(tmp_path):
+    "vLLM's names, in a tiny checkpoint: an fp8 engine's layers take them (the C++ path reads scaled caches)."
+    from helpers import tiny_hf_model
+    tiny_hf_model("llama", tmp_path)
+    _with_scales(tmp_path, {"model.layers.0.self_attn.k_scale": torch.tensor(0.0625),
+                            "model.layers.1.self_attn.attn.v_scale": torch.tensor([0.03125]),
+                            "model.layers.1.self_attn.k_proj.k_scale": torch.tensor(0.125)})
+    parts = load_model(tmp_path, dtype="float32", device="cpu")
+    assert parts[0].kv_scales == ([0.0625, 0.125], [1.0, 0.03125])
+    sp = SamplingParams(temperature=0, max_tokens=8, min_tokens=8)
+    outs = {}
+    for name in ("fp8", "bfloat16"):
+        llm = LLM(parts, log=False, max_model_len=128, kv_cache_dtype=name)
+        outs[name] = llm.generate([[5, 9, 30, 7, 2, 11]], sp, use_tqdm=False)[0].outputs[0].token_ids
+        a = llm.engine.runner.attn
+        want = ([0.0625, 0.125], [1.0, 0.03125]) if name == "fp8" else ([1.0] * 2, [1.0] * 2)   # 16 bits: unscaled
+        assert (a.k_scales, a.v_scales) == want
+    assert len(outs["fp8"]) == 8
+
+def test_checkpoint_scale_of_the_wrong_shape(tmp_path):
+    from helpers import tiny_hf_model
+    tiny_hf_model("llama", tmp_path)
+    _with_scales(tmp_path, {"model.layers.1.self_attn.v_scale": torch.ones(2)})
+    with pytest.raises(ValueError, match=r"model.layers.1.self_attn.v_scale has shape \(2,\): a KV cache scale is one"):
+        load_model(tmp_path, dtype="float32", device="cpu")
+
+def test_calculate_kv_scales_measures_the_first_step(tmp_path):
+    "calculate_kv_scales: each layer's largest |K| / 200 and |V| / 100 over the first step (the prompt), as vLLM."
+    from helpers import tiny_hf_model
+    hf = tiny_hf_model("llama", tmp_path)
+    parts = load_model(tmp_path, dtype="float32", device="cpu")
+    prompt = [5, 9, 30, 7, 2, 11, 40, 3]
+    llm = LLM(parts, log=False, max_model_len=128, kv_cache_dtype="fp8_e4m3", calculate_kv_scales=True)
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    cache = hf(torch.tensor([prompt]), use_cache=True).past_key_values
+    kv = [(cache.layers[l].keys, cache.layers[l].values) for l in range(2)]        # what each layer stored
+    a = llm.engine.runner.attn
+    want = [[float(k.abs().amax()) / 200 for k, _ in kv], [float(v.abs().amax()) / 100 for _, v in kv]]
+    # layer 0 reads the prompt as HF does; layer 1's input has been through layer 0's fp8 cache already
+    assert [a.k_scales[0], a.v_scales[0]] == pytest.approx([want[0][0], want[1][0]], rel=1e-5)
+    assert [a.k_scales[1], a.v_scales[1]] == pytest.approx([want[0][1], want[1][1]], rel=2e-2)
+    assert not a.measuring

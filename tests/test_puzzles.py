@@ -335,6 +335,30 @@ def tier_ignores_room(block_hashes, num_tokens, block_size, pool, tier, room):
 def tier_touches_loaded_only(block_hashes, num_tokens, block_size, pool, tier, room):
     return _tier(block_hashes, num_tokens, block_size, pool, tier, room, touch_all=False)
 
+# quantised_attention: no saturation, the scale applied the wrong way round, V's scale forgotten
+_FMT = dict(bfloat16=torch.bfloat16, float16=torch.float16, fp8_e4m3=torch.float8_e4m3fn, fp8_e5m2=torch.float8_e5m2)
+
+def _quantised_attend(query, k, v, scale):
+    G = query.shape[0] // k.shape[1]
+    k, v = k.repeat_interleave(G, 1), v.repeat_interleave(G, 1)
+    return torch.einsum("hn,nhd->hd", (torch.einsum("hd,nhd->hn", query, k) * scale).softmax(-1), v)
+
+def quantised_no_saturation(query, k_page, v_page, kv_cache_dtype, k_scale, v_scale, scale):
+    dt = _FMT[kv_cache_dtype]
+    return _quantised_attend(query, (k_page / k_scale).to(dt).float() * k_scale, (v_page / v_scale).to(dt).float() * v_scale, scale)
+
+def quantised_scale_inverted(query, k_page, v_page, kv_cache_dtype, k_scale, v_scale, scale):
+    dt = _FMT[kv_cache_dtype]
+    big = torch.finfo(dt).max
+    read = lambda x, s: (x * s).clamp(-big, big).to(dt).float() / s
+    return _quantised_attend(query, read(k_page, k_scale), read(v_page, v_scale), scale)
+
+def quantised_no_v_scale(query, k_page, v_page, kv_cache_dtype, k_scale, v_scale, scale):
+    dt = _FMT[kv_cache_dtype]
+    big = torch.finfo(dt).max
+    read = lambda x, s: (x / s).clamp(-big, big).to(dt).float()
+    return _quantised_attend(query, read(k_page, k_scale) * k_scale, read(v_page, v_scale), scale)
+
 WRONG = {
     "kv_bytes_per_token": [kv_no_v, kv_query_heads, kv_no_head_dim],
     "contiguous_waste": [waste_prompt_only, waste_utilization, waste_no_check],
@@ -352,6 +376,7 @@ WRONG = {
     "ngram_propose": [ngram_earliest, ngram_shortest_first, ngram_matches_itself],
     "greedy_accept": [greedy_keeps_mismatch, greedy_no_bonus, greedy_shifted],
     "rejection_sample": [reject_always_accept, reject_resample_from_p, reject_inverse_ratio],
+    "quantised_attention": [quantised_no_saturation, quantised_scale_inverted, quantised_no_v_scale],
 }
 
 def test_three_wrong_answers_per_puzzle(): assert set(WRONG) == set(PUZZLES) and all(len(v) == 3 for v in WRONG.values())

@@ -1,5 +1,8 @@
 // Paged attention on the CPU, reading each K/V page where it lies (notebook 04a_cpu_attention).
 #include "cpu_vector.h"
+#if defined(__F16C__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 // exp(x) for x <= 0, a vector V of floats at a time (I: ints of the same width): 2^n * e^r with
 // n = round(x / ln 2), |r| <= ln 2 / 2, and a degree-6 Taylor polynomial for e^r
@@ -45,6 +48,138 @@ inline v8 load<v8>(const float* p) { return ld(p); }
 static inline void store(float* p, v8 x) { st(p, x); }
 static inline v8 vexp(v8 x) { return exp_neg<v8, i8>(x); }
 
+// The formats a cache may hold, each a storage type S and `load<V>(p)`: W = sizeof(V) / 4 elements at p as
+// floats, converted in registers. float32 is loaded as it is; bfloat16 is a float's top half (a shift); float16
+// has an instruction on x86 (F16C's vcvtph2ps); the two fp8 formats have none on a CPU, so their bits are moved
+// into a float16's place and converted by that same instruction (or, without F16C, by to_float's integer ops).
+typedef uint16_t u16x8 __attribute__((vector_size(16), aligned(1)));
+typedef uint8_t u8x8 __attribute__((vector_size(8), aligned(1)));
+typedef int16_t s16x8 __attribute__((vector_size(16), aligned(1)));
+typedef int8_t s8x8 __attribute__((vector_size(8), aligned(1)));
+template <class V>
+struct Lanes;
+template <>
+struct Lanes<v8> {
+  typedef i8 I;
+  typedef u16x8 U16;
+  typedef u8x8 U8;
+  typedef s16x8 S16;
+  typedef s8x8 S8;
+};
+
+// W unsigned elements (U: W of them) at p, each zero-extended to a 32-bit int
+template <class U, class I, class S>
+static inline I widen(const S* p) {
+  U u;
+  std::memcpy(&u, p, sizeof u);
+  return __builtin_convertvector(u, I);
+}
+
+// N-bit floats (sign, exponent, M mantissa bits, exponent bias B) held in the low bits of x, as float32. A
+// normal number keeps its mantissa, shifted to a float's place, and its exponent is rebiased by adding
+// (127 - B) << 23; a subnormal (exponent 0) is its mantissa times 2^(1 - B - M); an all-ones exponent is inf or
+// NaN, except in e4m3fn (FN: no inf), whose only NaN is all ones. Integer and float vector ops only: no table,
+// no denormal floats on the way.
+template <class V, class I, int N, int M, int B, bool FN>
+static inline V to_float(I x) {
+  constexpr int E = N - 1 - M, ALL = (1 << (N - 1)) - 1, TOP = FN ? ALL : ((1 << E) - 1) << M;
+  const I em = x & ALL;
+  I f = (em << (23 - M)) + ((127 - B) << 23);
+  const V sub = __builtin_convertvector(em, V) * (1.f / (1 << (B + M - 1)));
+  I sb, nan = I{} + 0x7fc00000;
+  std::memcpy(&sb, &sub, sizeof sb);
+  f = em < (1 << M) ? sb : f;
+  f = FN ? (em == TOP ? nan : f) : (em >= TOP ? (em << (23 - M)) | 0x7f800000 : f);
+  f |= (x >> (N - 1)) << 31;
+  V out;
+  std::memcpy(&out, &f, sizeof out);
+  return out;
+}
+
+// W float16 bit patterns as floats: one instruction with F16C (AVX-512 has its own 16-lane form), else to_float
+template <class V>
+static inline V halves(typename Lanes<V>::U16 h) {
+  typedef typename Lanes<V>::I I;
+  return to_float<V, I, 16, 10, 15, false>(__builtin_convertvector(h, I));
+}
+#if defined(__F16C__)
+template <>
+inline v8 halves<v8>(u16x8 h) {
+  __m128i x;
+  std::memcpy(&x, &h, sizeof x);
+  const __m256 f = _mm256_cvtph_ps(x);
+  v8 out;
+  std::memcpy(&out, &f, sizeof out);
+  return out;
+}
+#endif
+
+struct F32 {
+  static constexpr float unit = 1.f;
+  typedef float S;
+  template <class V>
+  static V load(const S* p) { return ::load<V>(p); }
+};
+struct BF16 {
+  static constexpr float unit = 1.f;
+  typedef uint16_t S;
+  template <class V>
+  static V load(const S* p) {
+    typedef typename Lanes<V>::I I;
+    const I f = widen<typename Lanes<V>::U16, I>(p) << 16;
+    V out;
+    std::memcpy(&out, &f, sizeof out);
+    return out;
+  }
+};
+struct F16 {
+  static constexpr float unit = 1.f;
+  typedef uint16_t S;
+  template <class V>
+  static V load(const S* p) {
+    typename Lanes<V>::U16 h;
+    std::memcpy(&h, p, sizeof h);
+    return halves<V>(h);
+  }
+};
+// W bytes at p, each widened to 16 bits
+template <class V>
+static inline typename Lanes<V>::U16 bytes(const uint8_t* p) {
+  typename Lanes<V>::U8 b;
+  std::memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(b, typename Lanes<V>::U16);
+}
+// e5m2 is a float16's top byte: shifted there, it is that float16
+struct E5M2 {
+  static constexpr float unit = 1.f;
+  typedef uint8_t S;
+  template <class V>
+  static V load(const S* p) { return halves<V>(bytes<V>(p) << 8); }
+};
+// e4m3fn: each byte sign-extended to 16 bits and shifted left by 7 puts its exponent and mantissa in bits 7-13 and
+// its sign in bits 14 and 15; bit 14 cleared, that is a float16 of the same bits whose exponent is biased by 15
+// instead of 7 (subnormals included): the value / 2^8. `unit` says so, and the kernels fold the 2^8 into the
+// query's scale (K) and the output's (V). e4m3fn's NaN (S.1111.111), which the store never writes (it saturates),
+// would read as +-480.
+struct E4M3 {
+  typedef uint8_t S;
+  static constexpr float unit = 256.f;
+  template <class V>
+  static V load(const S* p) {
+    typedef typename Lanes<V>::U16 U16;
+    typename Lanes<V>::S8 b;
+    std::memcpy(&b, p, sizeof b);
+    const typename Lanes<V>::S16 h = __builtin_convertvector(b, typename Lanes<V>::S16) << 7;
+    return halves<V>(__builtin_convertvector(h, U16) & 0xbfff);
+  }
+};
+// 8 (kv8) or 16 (kv16) elements of a cache in format T as floats (/ T::unit); PF<T>: elements in a 64-byte
+// cache line
+template <class T>
+static inline v8 kv8(const typename T::S* p) { return T::template load<v8>(p); }
+template <class T>
+constexpr int PF = 64 / sizeof(typename T::S);
+
 #if defined(__AVX512F__)
 // 16 floats, one AVX-512 register (the 16-lane decode below): its reductions and exp
 typedef float v16 __attribute__((vector_size(64)));
@@ -66,6 +201,30 @@ static inline float hmax(v16 x) {
 }
 
 static inline v16 vexp(v16 x) { return exp_neg<v16, i16>(x); }
+
+typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(1)));
+typedef uint8_t u8x16 __attribute__((vector_size(16), aligned(1)));
+typedef int16_t s16x16 __attribute__((vector_size(32), aligned(1)));
+typedef int8_t s8x16 __attribute__((vector_size(16), aligned(1)));
+template <>
+struct Lanes<v16> {
+  typedef i16 I;
+  typedef u16x16 U16;
+  typedef u8x16 U8;
+  typedef s16x16 S16;
+  typedef s8x16 S8;
+};
+template <>
+inline v16 halves<v16>(u16x16 h) {
+  __m256i x;
+  std::memcpy(&x, &h, sizeof x);
+  const __m512 f = _mm512_cvtph_ps(x);
+  v16 out;
+  std::memcpy(&out, &f, sizeof out);
+  return out;
+}
+template <class T>
+static inline v16 kv16(const typename T::S* p) { return T::template load<v16>(p); }
 #endif
 
 // The online softmax of one head over one page's scores pg[0, n) (padded with -inf to whole vectors of V): pg
@@ -107,9 +266,9 @@ static inline void cap_and_mask(float* pg, int start, int n, float cap) {
 
 // Scores of NG query heads (scaled, qs[g*D..]) against 8 tokens of one page slice starting at kp (rows `row`
 // apart) into p[g*PS + t0..].
-template <int NG, int D>
-static inline void score8(float* __restrict p, int PS, const float* __restrict qs, const float* __restrict kp,
-                          int64_t row, const float* kn) {
+template <class T, int NG, int D>
+static inline void score8(float* __restrict p, int PS, const float* __restrict qs,
+                          const typename T::S* __restrict kp, int64_t row, const typename T::S* kn) {
   constexpr int V = D / 8;
   v8 half[2][NG];
 #pragma GCC unroll 16
@@ -118,14 +277,14 @@ static inline void score8(float* __restrict p, int PS, const float* __restrict q
 #pragma GCC unroll 16
     for (int g = 0; g < NG; g++)
       for (int i = 0; i < 4; i++) s[g][i] = v8{};
-    const float* k = kp + 4 * hh * row;
+    const typename T::S* k = kp + 4 * hh * row;
     if (kn)
       for (int i = 0; i < 4; i++)
-        for (int d = 0; d < D; d += 16) __builtin_prefetch(kn + (4 * hh + i) * row + d, 0, 1);
+        for (int d = 0; d < D; d += PF<T>) __builtin_prefetch(kn + (4 * hh + i) * row + d, 0, 1);
 #pragma GCC unroll 16
     for (int c = 0; c < V; c++) {
-      const v8 k0 = ld(k + 8 * c), k1 = ld(k + row + 8 * c), k2 = ld(k + 2 * row + 8 * c),
-               k3 = ld(k + 3 * row + 8 * c);
+      const v8 k0 = kv8<T>(k + 8 * c), k1 = kv8<T>(k + row + 8 * c), k2 = kv8<T>(k + 2 * row + 8 * c),
+               k3 = kv8<T>(k + 3 * row + 8 * c);
 #pragma GCC unroll 16
       for (int g = 0; g < NG; g++) {
         const v8 qv = ld(qs + g * D + 8 * c);
@@ -144,22 +303,23 @@ static inline void score8(float* __restrict p, int PS, const float* __restrict q
 
 // acc rows of NG heads += p[g][u] * V[u] for u < lim; one head at a time, its accumulator row in registers (V
 // re-read from L1).
-template <int NG, int D>
+template <class T, int NG, int D>
 static inline void accumulate(float* __restrict acc, const float* __restrict p, int PS,
-                              const float* __restrict vp, int64_t row, int lim, const float* vn, int BS) {
+                              const typename T::S* __restrict vp, int64_t row, int lim, const typename T::S* vn,
+                              int BS) {
   constexpr int V = D / 8;
   if (vn)
     for (int u = 0; u < BS; u++)
-      for (int d = 0; d < D; d += 16) __builtin_prefetch(vn + u * row + d, 0, 1);
+      for (int d = 0; d < D; d += PF<T>) __builtin_prefetch(vn + u * row + d, 0, 1);
   for (int g = 0; g < NG; g++) {
     v8 a[V];
 #pragma GCC unroll 16
     for (int c = 0; c < V; c++) a[c] = ld(acc + g * D + 8 * c);
     for (int u = 0; u < lim; u++) {
       const v8 e = splat(p[g * PS + u]);
-      const float* v = vp + u * row;
+      const typename T::S* v = vp + u * row;
 #pragma GCC unroll 16
-      for (int c = 0; c < V; c++) a[c] += e * ld(v + 8 * c);
+      for (int c = 0; c < V; c++) a[c] += e * kv8<T>(v + 8 * c);
     }
 #pragma GCC unroll 16
     for (int c = 0; c < V; c++) st(acc + g * D + 8 * c, a[c]);
@@ -167,47 +327,48 @@ static inline void accumulate(float* __restrict acc, const float* __restrict p, 
 }
 
 // One page slice for NG heads of one query token: scores, online softmax, V.
-template <int NG, int D>
+template <class T, int NG, int D>
 static inline void page_block(float* __restrict acc, float* __restrict m, float* __restrict l,
                               float* __restrict p, int PS, const float* __restrict qs,
-                              const float* __restrict kp, const float* __restrict vp, int64_t row, int lim,
-                              int BS, const float* kn, const float* vn, int start, float cap) {
+                              const typename T::S* __restrict kp, const typename T::S* __restrict vp, int64_t row,
+                              int lim, int BS, const typename T::S* kn, const typename T::S* vn, int start,
+                              float cap) {
   constexpr int V = D / 8;
   int t = 0;
   for (; t < lim && t + 8 <= BS; t += 8)
-    score8<NG, D>(p + t, PS, qs, kp + t * row, row, kn ? kn + t * row : nullptr);
+    score8<T, NG, D>(p + t, PS, qs, kp + t * row, row, kn ? kn + t * row : nullptr);
   for (; t < lim; t++)
     for (int g = 0; g < NG; g++) {
       v8 s0 = {};
-      for (int c = 0; c < V; c++) s0 += ld(qs + g * D + 8 * c) * ld(kp + t * row + 8 * c);
+      for (int c = 0; c < V; c++) s0 += ld(qs + g * D + 8 * c) * kv8<T>(kp + t * row + 8 * c);
       p[g * PS + t] = hsum(s0);
     }
   for (int g = 0; g < NG; g++) {
     cap_and_mask(p + g * PS, start, lim, cap);
     softmax_page<v8, D>(p + g * PS, lim, m + g, l + g, acc + g * D);
   }
-  accumulate<NG, D>(acc, p, PS, vp, row, lim, vn, BS);
+  accumulate<T, NG, D>(acc, p, PS, vp, row, lim, vn, BS);
 }
 
-template <int NG, int D>
+template <class T, int NG, int D>
 static inline void page_blocks(float* acc, float* m, float* l, float* p, int PS, const float* qs,
-                               const float* kp, const float* vp, int64_t row, int lim, int BS, int G,
-                               const float* kn, const float* vn, int start, float cap) {
+                               const typename T::S* kp, const typename T::S* vp, int64_t row, int lim, int BS,
+                               int G, const typename T::S* kn, const typename T::S* vn, int start, float cap) {
   // heads in blocks of up to NG (4), so that the scores' and V's accumulators stay in registers
   int g = 0;
   for (; g + NG <= G; g += NG, kn = vn = nullptr)
-    page_block<NG, D>(acc + g * D, m + g, l + g, p, PS, qs + g * D, kp, vp, row, lim, BS, kn, vn, start, cap);
+    page_block<T, NG, D>(acc + g * D, m + g, l + g, p, PS, qs + g * D, kp, vp, row, lim, BS, kn, vn, start, cap);
   switch (G - g) {
     case 1:
-      page_block<1, D>(acc + g * D, m + g, l + g, p, PS, qs + g * D, kp, vp, row, lim, BS, kn, vn, start,
+      page_block<T, 1, D>(acc + g * D, m + g, l + g, p, PS, qs + g * D, kp, vp, row, lim, BS, kn, vn, start,
                          cap);
       break;
     case 2:
-      page_block<2, D>(acc + g * D, m + g, l + g, p, PS, qs + g * D, kp, vp, row, lim, BS, kn, vn, start,
+      page_block<T, 2, D>(acc + g * D, m + g, l + g, p, PS, qs + g * D, kp, vp, row, lim, BS, kn, vn, start,
                          cap);
       break;
     case 3:
-      page_block<3, D>(acc + g * D, m + g, l + g, p, PS, qs + g * D, kp, vp, row, lim, BS, kn, vn, start,
+      page_block<T, 3, D>(acc + g * D, m + g, l + g, p, PS, qs + g * D, kp, vp, row, lim, BS, kn, vn, start,
                          cap);
       break;
   }
@@ -215,11 +376,17 @@ static inline void page_blocks(float* acc, float* m, float* l, float* p, int PS,
 
 // One sequence, kv heads [h0, h1): the G = H / KVH query heads of each, at each of its nq query tokens, page
 // by page, from the first page holding a key of the first query's window (W: window, 0 for none; cap: soft cap,
-// 0 for none).
-template <int G, int D>
-static void attend(float* __restrict out, const float* __restrict q, const float* __restrict kc,
-                   const float* __restrict vc, const int32_t* __restrict bt, int L, int nq, int h0, int h1,
-                   int H, int KVH, int BS, float scale, float* __restrict buf, int W, float cap) {
+// 0 for none), in a cache of format T; the output is multiplied by vscale. G is an argument, not a template
+// parameter: heads go in blocks of 4 and the rest (page_blocks), so one function per format and head_dim serves
+// every G.
+template <class T, int D>
+static void attend(float* __restrict out, const float* __restrict q, const void* kv, const void* vv,
+                   const int32_t* __restrict bt, int L, int nq, int h0, int h1, int H, int KVH, int BS,
+                   float scale, float* __restrict buf, int W, float cap, float vscale, int G) {
+  typedef typename T::S S;
+  const S *__restrict kc = (const S*)kv, *__restrict vc = (const S*)vv;
+  scale *= T::unit;
+  vscale *= T::unit;
   const int R = nq * G * (h1 - h0), PS = (BS + 15) & ~7;
   // acc, scaled q [R, D]; max m, sum l [R]; scores [G, PS]
   float *acc = buf, *qs = acc + R * D, *m = qs + R * D, *l = m + R, *p = l + R;
@@ -237,17 +404,17 @@ static void attend(float* __restrict out, const float* __restrict q, const float
       }
   const int64_t row = (int64_t)KVH * D, page = BS * row;
   const int pages = (L + BS - 1) / BS;
-  constexpr int NG = G < 4 ? G : 4;
+  constexpr int NG = 4;
   // the first visible key of the first query: pages before its page are not read
   const int first = W > 0 ? std::max(0, L - nq - W + 1) : 0;
   for (int b = first / BS; b < pages; b++) {
     const int n = std::min(BS, L - b * BS);
     for (int h = h0; h < h1; h++) {
-      const float* kp = kc + bt[b] * page + (int64_t)h * D;
-      const float* vp = vc + bt[b] * page + (int64_t)h * D;
+      const S* kp = kc + bt[b] * page + (int64_t)h * D;
+      const S* vp = vc + bt[b] * page + (int64_t)h * D;
       // this head's slice of the next page, asked for row by row as the first query scores and sums this page
-      const float* kn = b + 1 < pages ? kc + bt[b + 1] * page + (int64_t)h * D : nullptr;
-      const float* vn = b + 1 < pages ? vc + bt[b + 1] * page + (int64_t)h * D : nullptr;
+      const S* kn = b + 1 < pages ? kc + bt[b + 1] * page + (int64_t)h * D : nullptr;
+      const S* vn = b + 1 < pages ? vc + bt[b + 1] * page + (int64_t)h * D : nullptr;
       for (int j = 0; j < nq; j++) {
         // causal: keys up to query token j's position
         const int lim = std::min(n, L - nq + j + 1 - b * BS);
@@ -255,7 +422,7 @@ static void attend(float* __restrict out, const float* __restrict q, const float
         const int start = W > 0 ? std::max(0, L - nq + j - W + 1 - b * BS) : 0;
         if (lim <= 0 || start >= lim) continue;
         const int r0 = ((h - h0) * nq + j) * G;
-        page_blocks<NG, D>(acc + r0 * D, m + r0, l + r0, p, PS, qs + r0 * D, kp, vp, row, lim, BS, G,
+        page_blocks<T, NG, D>(acc + r0 * D, m + r0, l + r0, p, PS, qs + r0 * D, kp, vp, row, lim, BS, G,
                            j ? nullptr : kn, j ? nullptr : vn, start, cap);
       }
     }
@@ -265,7 +432,7 @@ static void attend(float* __restrict out, const float* __restrict q, const float
       for (int g = 0; g < G; g++) {
         const int r = ((h - h0) * nq + j) * G + g;
         float* dst = out + ((int64_t)j * H + h * G + g) * D;
-        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+        const float inv = l[r] > 0.f ? vscale / l[r] : 0.f;
         for (int d = 0; d < D; d++) dst[d] = acc[r * D + d] * inv;
       }
 }
@@ -301,9 +468,9 @@ static inline v16 sum_lanes(v16 u0, v16 u1, v16 u2, v16 u3) {
 
 // Scores of NG heads (scaled, qs[g*D..]) against the n tokens of one page slice at kp, 16 at a time, into
 // p[g*PS..]; tokens past n read row n - 1 (inside the page) and are masked by the caller.
-template <int NG, int D>
-static inline void scores16(float* __restrict p, int PS, const float* __restrict qs, const float* __restrict kp,
-                            int64_t row, int n, const float* kn) {
+template <class T, int NG, int D>
+static inline void scores16(float* __restrict p, int PS, const float* __restrict qs,
+                            const typename T::S* __restrict kp, int64_t row, int n, const typename T::S* kn) {
   constexpr int C = D / 16;
   v16 q[NG][C];
 #pragma GCC unroll 16
@@ -313,21 +480,21 @@ static inline void scores16(float* __restrict p, int PS, const float* __restrict
     alignas(64) float u[NG][4][16];
 #pragma GCC unroll 4
     for (int qd = 0; qd < 4; qd++) {
-      const float* k[4];
+      const typename T::S* k[4];
       for (int i = 0; i < 4; i++) k[i] = kp + std::min(t0 + 4 * qd + i, n - 1) * row;
       if (kn)
         for (int i = 0; i < 4; i++)
-          for (int d = 0; d < D; d += 16) __builtin_prefetch(kn + (t0 + 4 * qd + i) * row + d, 0, 1);
+          for (int d = 0; d < D; d += PF<T>) __builtin_prefetch(kn + (t0 + 4 * qd + i) * row + d, 0, 1);
       v16 s[NG][4];
 #pragma GCC unroll 16
       for (int i = 0; i < 4; i++) {
-        const v16 kv = ld16(k[i]);
+        const v16 kv = kv16<T>(k[i]);
         for (int g = 0; g < NG; g++) s[g][i] = q[g][0] * kv;
       }
 #pragma GCC unroll 16
       for (int c = 1; c < C; c++)
         for (int i = 0; i < 4; i++) {
-          const v16 kv = ld16(k[i] + 16 * c);
+          const v16 kv = kv16<T>(k[i] + 16 * c);
           for (int g = 0; g < NG; g++) s[g][i] += q[g][c] * kv;
         }
 #pragma GCC unroll 16
@@ -340,13 +507,13 @@ static inline void scores16(float* __restrict p, int PS, const float* __restrict
 }
 
 // One page slice for NG heads of one kv head: scores, online softmax, then each V row once for all NG heads.
-template <int NG, int D>
+template <class T, int NG, int D>
 static inline void page16(float* __restrict acc, float* __restrict m, float* __restrict l, float* __restrict p,
-                          int PS, const float* __restrict qs, const float* __restrict kp,
-                          const float* __restrict vp, int64_t row, int n, int BS, const float* kn,
-                          const float* vn, int start, float cap) {
+                          int PS, const float* __restrict qs, const typename T::S* __restrict kp,
+                          const typename T::S* __restrict vp, int64_t row, int n, int BS, const typename T::S* kn,
+                          const typename T::S* vn, int start, float cap) {
   constexpr int C = D / 16;
-  scores16<NG, D>(p, PS, qs, kp, row, n, kn);
+  scores16<T, NG, D>(p, PS, qs, kp, row, n, kn);
   for (int g = 0; g < NG; g++) {
     cap_and_mask(p + g * PS, start, n, cap);
     softmax_page<v16, D>(p + g * PS, n, m + g, l + g, acc + g * D);
@@ -357,10 +524,10 @@ static inline void page16(float* __restrict acc, float* __restrict m, float* __r
     for (int c = 0; c < C; c++) a[g][c] = ld16(acc + g * D + 16 * c);
   for (int u = 0; u < n; u++) {
     if (vn)
-      for (int d = 0; d < D; d += 16) __builtin_prefetch(vn + u * row + d, 0, 1);
+      for (int d = 0; d < D; d += PF<T>) __builtin_prefetch(vn + u * row + d, 0, 1);
     v16 v[C];
 #pragma GCC unroll 16
-    for (int c = 0; c < C; c++) v[c] = ld16(vp + u * row + 16 * c);
+    for (int c = 0; c < C; c++) v[c] = kv16<T>(vp + u * row + 16 * c);
 #pragma GCC unroll 16
     for (int g = 0; g < NG; g++) {
       const float e = p[g * PS + u];
@@ -373,28 +540,32 @@ static inline void page16(float* __restrict acc, float* __restrict m, float* __r
 }
 
 // The G query heads of one kv head in blocks of up to NG, so that their q and V sums stay in registers.
-template <int NG, int D>
-static inline void heads16(float* acc, float* m, float* l, float* p, int PS, const float* qs, const float* kp,
-                           const float* vp, int64_t row, int n, int BS, int G, const float* kn,
-                           const float* vn, int start, float cap) {
+template <class T, int NG, int D>
+static inline void heads16(float* acc, float* m, float* l, float* p, int PS, const float* qs,
+                           const typename T::S* kp, const typename T::S* vp, int64_t row, int n, int BS, int G,
+                           const typename T::S* kn, const typename T::S* vn, int start, float cap) {
   int g = 0;
   for (; g + NG <= G; g += NG, kn = vn = nullptr)
-    page16<NG, D>(acc + g * D, m + g, l + g, p, PS, qs + g * D, kp, vp, row, n, BS, kn, vn, start, cap);
+    page16<T, NG, D>(acc + g * D, m + g, l + g, p, PS, qs + g * D, kp, vp, row, n, BS, kn, vn, start, cap);
   const int rest = G - g;
   float *a = acc + g * D, *mg = m + g, *lg = l + g;
   const float* q = qs + g * D;
   switch (rest) {
-    case 1: page16<1, D>(a, mg, lg, p, PS, q, kp, vp, row, n, BS, kn, vn, start, cap); break;
-    case 2: page16<2, D>(a, mg, lg, p, PS, q, kp, vp, row, n, BS, kn, vn, start, cap); break;
-    case 3: page16<3, D>(a, mg, lg, p, PS, q, kp, vp, row, n, BS, kn, vn, start, cap); break;
+    case 1: page16<T, 1, D>(a, mg, lg, p, PS, q, kp, vp, row, n, BS, kn, vn, start, cap); break;
+    case 2: page16<T, 2, D>(a, mg, lg, p, PS, q, kp, vp, row, n, BS, kn, vn, start, cap); break;
+    case 3: page16<T, 3, D>(a, mg, lg, p, PS, q, kp, vp, row, n, BS, kn, vn, start, cap); break;
   }
 }
 
 // attend for a single query token (nq = 1), 16 floats to a vector; the same arguments.
-template <int G, int D>
-static void decode16(float* __restrict out, const float* __restrict q, const float* __restrict kc,
-                     const float* __restrict vc, const int32_t* __restrict bt, int L, int nq, int h0, int h1,
-                     int H, int KVH, int BS, float scale, float* __restrict buf, int W, float cap) {
+template <class T, int D>
+static void decode16(float* __restrict out, const float* __restrict q, const void* kv, const void* vv,
+                     const int32_t* __restrict bt, int L, int nq, int h0, int h1, int H, int KVH, int BS,
+                     float scale, float* __restrict buf, int W, float cap, float vscale, int G) {
+  typedef typename T::S S;
+  const S *__restrict kc = (const S*)kv, *__restrict vc = (const S*)vv;
+  scale *= T::unit;
+  vscale *= T::unit;
   const int R = G * (h1 - h0), PS = (BS + 15) & ~15;
   // acc, scaled q [R, D]; max m, sum l [R]; scores [NG, PS]
   float *acc = buf, *qs = acc + R * D, *m = qs + R * D, *l = m + R, *p = l + R;
@@ -408,7 +579,7 @@ static void decode16(float* __restrict out, const float* __restrict q, const flo
   const int64_t row = (int64_t)KVH * D, page = BS * row;
   const int pages = (L + BS - 1) / BS;
   // up to 4 heads a block at head_dim <= 64, 2 above
-  constexpr int NG = std::min(G, D <= 64 ? 4 : 2);
+  constexpr int NG = D <= 64 ? 4 : 2;
   // the query is position L - 1: with a window it sees keys from L - W, and pages before that one are not read
   const int first = W > 0 ? std::max(0, L - W) : 0;
   for (int b = first / BS; b < pages; b++) {
@@ -417,49 +588,46 @@ static void decode16(float* __restrict out, const float* __restrict q, const flo
       const int64_t off = (int64_t)h * D;
       const bool next = b + 1 < pages;
       const int r0 = (h - h0) * G;
-      heads16<NG, D>(acc + r0 * D, m + r0, l + r0, p, PS, qs + r0 * D, kc + bt[b] * page + off,
+      heads16<T, NG, D>(acc + r0 * D, m + r0, l + r0, p, PS, qs + r0 * D, kc + bt[b] * page + off,
                      vc + bt[b] * page + off, row, n, BS, G, next ? kc + bt[b + 1] * page + off : nullptr,
                      next ? vc + bt[b + 1] * page + off : nullptr, start, cap);
     }
   }
   for (int r = 0; r < R; r++) {
     float* dst = out + (int64_t)(h0 * G + r) * D;
-    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+    const float inv = l[r] > 0.f ? vscale / l[r] : 0.f;
     for (int d = 0; d < D; d++) dst[d] = acc[r * D + d] * inv;
   }
 }
-#define DECODE16(G, D) decode16<G, D>
+#define DECODE16(T, D) decode16<T, D>
 #else
-#define DECODE16(G, D) nullptr
+#define DECODE16(T, D) nullptr
 #endif
 
-typedef void (*attend_fn)(float*, const float*, const float*, const float*, const int32_t*, int, int, int,
-                          int, int, int, int, float, float*, int, float);
-// The kernel for G query heads per kv head: attend, or with `decode` the 16-lane decode16 (none without AVX-512).
-template <int G, int D>
-static attend_fn kernel_for(bool decode) {
-  return decode ? DECODE16(G, D) : attend<G, D>;
-}
-template <int D>
-static attend_fn pick_g(int G, bool decode) {
-  switch (G) {
-    case 1: return kernel_for<1, D>(decode);
-    case 2: return kernel_for<2, D>(decode);
-    case 3: return kernel_for<3, D>(decode);
-    case 4: return kernel_for<4, D>(decode);
-    case 5: return kernel_for<5, D>(decode);
-    case 6: return kernel_for<6, D>(decode);
-    case 7: return kernel_for<7, D>(decode);
-    case 8: return kernel_for<8, D>(decode);
+typedef void (*attend_fn)(float*, const float*, const void*, const void*, const int32_t*, int, int, int, int,
+                          int, int, int, float, float*, int, float, float, int);
+// The kernel for a cache of format T and head_dim D: attend, or with `decode` the 16-lane decode16 (none without
+// AVX-512).
+template <class T>
+static attend_fn pick_d(int D, bool decode) {
+  switch (D) {
+    case 16: return decode ? DECODE16(T, 16) : attend<T, 16>;
+    case 32: return decode ? DECODE16(T, 32) : attend<T, 32>;
+    case 64: return decode ? DECODE16(T, 64) : attend<T, 64>;
+    case 128: return decode ? DECODE16(T, 128) : attend<T, 128>;
   }
   return nullptr;
 }
-static attend_fn pick(int G, int D, bool decode = false) {
-  switch (D) {
-    case 16: return pick_g<16>(G, decode);
-    case 32: return pick_g<32>(G, decode);
-    case 64: return pick_g<64>(G, decode);
-    case 128: return pick_g<128>(G, decode);
+// The kernel for a cache of format `dtype` (0 float32, 1 float16, 2 bfloat16, 3 fp8 e4m3fn, 4 fp8 e5m2)
+// for G = H / KVH query heads per kv head, 1 to 8
+static attend_fn pick(int G, int D, bool decode = false, int dtype = 0) {
+  if (G < 1 || G > 8) return nullptr;
+  switch (dtype) {
+    case 0: return pick_d<F32>(D, decode);
+    case 1: return pick_d<F16>(D, decode);
+    case 2: return pick_d<BF16>(D, decode);
+    case 3: return pick_d<E4M3>(D, decode);
+    case 4: return pick_d<E5M2>(D, decode);
   }
   return nullptr;
 }
@@ -473,15 +641,18 @@ extern "C" int pagednb_supports(int H, int KVH, int D) {
   return KVH > 0 && H % KVH == 0 && pick(H / KVH, D) != nullptr;
 }
 
-extern "C" int pagednb_paged_attention_f32(float* out, const float* query, const float* k_cache,
-                                           const float* v_cache, const int32_t* block_tables,
-                                           int64_t bt_stride, const int32_t* seq_lens, const int32_t* qsl,
-                                           const int32_t* seqs, int64_t n_seqs, int H, int KVH, int D, int BS,
-                                           float scale, int num_threads, int wide, int window, float softcap) {
-  attend_fn fn = pagednb_supports(H, KVH, D) ? pick(H / KVH, D) : nullptr;
+// The caches hold `dtype` (see pick), each element x / k_scale (K) or x / v_scale (V): the scores take k_scale
+// with the query's scale, the output v_scale with the softmax's sum, so no element is multiplied.
+extern "C" int pagednb_paged_attention(float* out, const float* query, const void* k_cache, const void* v_cache,
+                                       const int32_t* block_tables, int64_t bt_stride, const int32_t* seq_lens,
+                                       const int32_t* qsl, const int32_t* seqs, int64_t n_seqs, int H, int KVH,
+                                       int D, int BS, float scale, int num_threads, int wide, int window,
+                                       float softcap, int dtype, float k_scale, float v_scale) {
+  attend_fn fn = pagednb_supports(H, KVH, D) ? pick(H / KVH, D, false, dtype) : nullptr;
   if (!fn) return 2;
+  scale *= k_scale;
   // single query tokens (decodes) on the 16-lane kernel where it was compiled and `wide` asks for it
-  const attend_fn wide_fn = wide ? pick(H / KVH, D, true) : nullptr, one = wide_fn ? wide_fn : fn;
+  const attend_fn wide_fn = wide ? pick(H / KVH, D, true, dtype) : nullptr, one = wide_fn ? wide_fn : fn;
   // work items: tiles of up to QT query tokens of one sequence (each page is then read once per tile, not per
   // token), by whole sequences' kv heads when there are plenty of tiles, else one kv head each so that every
   // thread has work
@@ -515,7 +686,7 @@ extern "C" int pagednb_paged_attention_f32(float* out, const float* query, const
       // the tile's queries are the last j1 - j0 of a sequence cut after its (j1 - 1)-th query token
       const attend_fn f = j1 - j0 == 1 ? one : fn;
       f(out + off, query + off, k_cache, v_cache, block_tables + s * bt_stride, seq_lens[s] - (nq - j1), j1 - j0,
-        h0, h0 + per_item, H, KVH, BS, scale, buf, window, softcap);
+        h0, h0 + per_item, H, KVH, BS, scale, buf, window, softcap, v_scale, H / KVH);
     }
     std::free(buf);
   }
