@@ -31,13 +31,13 @@ def turns(parts):
 
 @pytest.fixture(scope="module")
 def reference(parts, turns):
-    "Hugging Face greedy `generate` of every prompt of both turns, one at a time."
+    "Hugging Face greedy `generate` of the second turn's prompts (those whose prefixes come back), one at a time."
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(resolve_model(None), dtype=torch.float32).eval()
     eos = parts[1].eos_token_id
     gen = lambda p: hf.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=eos,
                                 pad_token_id=eos)[0, len(p):].tolist()
-    return [[gen(p) for p in ps] for ps in turns]
+    return [gen(p) for p in turns[1]]
 
 def check_clean(llm):
     "Every pool block free or cached, no live sequence, the tier's books whole and within its size."
@@ -56,14 +56,14 @@ def two_turns(llm, turns, together):
 
 CASES = {   # a pool small enough to evict the first turn's prefixes, a tier large enough to keep them
     "chunked_prefill": (dict(max_model_len=256, num_gpu_blocks_override=20, max_num_batched_tokens=48), False),
-    "preemption": (dict(max_model_len=192, num_gpu_blocks_override=16, max_num_batched_tokens=128), True),
+    "preemption": (dict(max_model_len=192, num_gpu_blocks_override=14, max_num_batched_tokens=64), True),
 }
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_greedy_matches_hf_with_tier(case, parts, turns, reference):
     knobs, together = CASES[case]
     llm = LLM(parts, log=False, trace=True, kv_offloading_size=0.05, **knobs)
-    assert two_turns(llm, turns, together) == reference
+    assert two_turns(llm, turns, together)[1] == reference
     m = llm.get_metrics()
     assert m["external_prefix_cache_hits"] > 0 and m["kv_offload_blocks_loaded"] > 0      # prefixes came back
     per_block = llm.engine.block_manager.block_size*llm.engine.kv_bytes_per_token
