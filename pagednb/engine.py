@@ -160,6 +160,9 @@ def _block_manager(self: LLMEngine, args, num_blocks, block_bytes, windows):
     if not args.enable_prefix_caching:
         raise ValueError("kv_offloading_size keeps the blocks that the prefix cache evicts, under their hashes: "
                          "it needs enable_prefix_caching=True")
+    if (args.speculative_config or {}).get("method") == "draft_model":     # its own cache would miss the loads
+        raise ValueError("kv_offloading_size does not load a draft model's KV cache yet: use speculative_config "
+                         "method 'ngram', or leave kv_offloading_size unset")
     tier = tier_num_blocks(args.kv_offloading_size, block_bytes)
     return OffloadingBlockManager(num_blocks, args.block_size, windows=windows, tier_blocks=tier)
 

@@ -166,6 +166,9 @@ def test_needs_prefix_caching_and_room(parts):
     with pytest.raises(ValueError, match="enable_prefix_caching"):
         LLM(parts, log=False, kv_offloading_size=0.05, enable_prefix_caching=False, num_gpu_blocks_override=24,
             max_model_len=256)
+    with pytest.raises(ValueError, match="draft model"):
+        LLM(parts, log=False, kv_offloading_size=0.05, num_gpu_blocks_override=24, max_model_len=256,
+            speculative_config=dict(method="draft_model", model="self", num_layers=2, num_speculative_tokens=2))
     with pytest.raises(ValueError, match="holds no KV block"):
         LLM(parts, log=False, kv_offloading_size=1e-6, num_gpu_blocks_override=24, max_model_len=256)
 
