@@ -554,7 +554,9 @@ def _schedule(self: LLMEngine):
     "Phase 2: this step's `StepPlan`; what a failed step must put back is kept, and the cache's peak usage."
     self._t0 = time.perf_counter()
     plan = self.scheduler.schedule()
-    if self.offloading: plan.offload = self.block_manager.take_transfers()   # run before the forward (`06_runner`)
+    if self.offloading:                                  # the tier's copies run before the forward (`06_runner`)
+        plan.offload = self.block_manager.take_transfers()
+        if plan.is_empty: self.runner.transfer(plan.offload)          # no forward: run them now all the same
     self.stats["kv_cache_usage_peak"] = max(self.stats["kv_cache_usage_peak"], self.block_manager.usage)
     self._snapshot = StepSnapshot(self, plan)
     return plan

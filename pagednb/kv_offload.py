@@ -236,6 +236,7 @@ def take_transfers(self: OffloadingBlockManager) -> Transfers:
 def reset_prefix_cache(self: OffloadingBlockManager) -> int:
     "Forget every cached block of the pool and of the tier (nothing is stored on the way); the pool's count."
     n = PrefixCachingBlockManager.reset_prefix_cache(self)
+    self.tier.stored -= len(self.transfers.stores)
     self.transfers.stores.clear()
     self.tier.reset()
     self._pins = []

@@ -10,6 +10,7 @@ from pagednb.engine import LLM
 from pagednb.sampling import SamplingParams
 from pagednb.model import load_model, resolve_model
 from pagednb.engine_args import EngineArgs, add_cli_args, from_cli_args
+from pagednb.metrics import Exposition, _offload_metrics
 
 MAX_NEW = 8
 TOPICS = ["page tables", "the scheduler", "hash tables", "the TCP handshake"]
@@ -71,6 +72,9 @@ def test_greedy_matches_hf_with_tier(case, parts, turns, reference):
     if case == "chunked_prefill": assert m["prompt_tokens"] < sum(map(len, turns[0] + turns[1]))   # less computed
     if case == "preemption": assert m["num_preemptions"] > 0
     assert any("offload" in st for st in llm.trace.steps)                                 # trace events
+    x = Exposition()
+    _offload_metrics(x, m)                                                                # what /metrics shows
+    assert f'vllm:external_prefix_cache_hits_total {m["external_prefix_cache_hits"]}' in x.text().splitlines()
     check_clean(llm)
 
 def test_tier_off_unchanged(parts, turns):
@@ -106,6 +110,9 @@ def test_hits_per_tier_by_hand():
     t = bm.take_transfers()
     assert sorted(b for _, b in t.loads) == sorted(again.block_table[1:3])
     bm.deallocate(again)
+    assert bm.check_invariants([])
+    bm.reset_prefix_cache()                                   # both tiers forget, nothing is stored on the way
+    assert not bm.tier.slots and not bm.hash_to_block and not bm.take_transfers().stores
     assert bm.check_invariants([])
 
 def test_stale_tier_hit_rejected():
