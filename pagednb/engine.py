@@ -18,6 +18,7 @@ from transformers import AutoTokenizer
 from .model import load_model, generation_defaults, NoCacheAttention
 from .block_manager import kv_slots
 from .prefix_cache import make_block_manager
+from .kv_offload import OffloadingBlockManager, tier_num_blocks
 from .scheduler import Scheduler, Sequence, SequenceStatus
 from .sampling import SamplingParams, CompletionOutput, RequestOutput, RequestMetrics, sample
 from .sampling import process_logits, token_logprobs, RequestOutputKind
@@ -120,10 +121,12 @@ def _build(self: LLMEngine, args: EngineArgs):
     groups = self.kv_groups = model_kv_groups(self.model_config)              # `03a_hybrid_kv`
     num_blocks, block_bytes = self._num_blocks(args, groups)
     windows = [g.window for g in groups]
-    self.block_manager = make_block_manager(num_blocks, bs, args.enable_prefix_caching, windows=windows)
+    self.block_manager = self._block_manager(args, num_blocks, block_bytes, windows)
     self.scheduler = Scheduler(c, self.block_manager)
     self.runner = ModelRunner(self.model, num_blocks, bs, args.attention_backend, groups=groups,
                               kv_cache_dtype=args.kv_cache_dtype, **self._kv_scales(args))
+    self.offloading = isinstance(self.block_manager, OffloadingBlockManager)
+    if self.offloading: self.runner.enable_offload(self.block_manager.tier.num_blocks)
     self.kv_line = self._kv_line(num_blocks, block_bytes)
     if args.log: print(self.kv_line, flush=True)
     give_back_memory()                                   # loading and packing leave freed heap pages behind
@@ -156,6 +159,21 @@ def _kv_line(self: LLMEngine, num_blocks, block_bytes):
     if self.args.kv_cache_dtype == "auto": return line                 # the line a simulator prints too
     dtype = str(self.kv_dtype).removeprefix("torch.")
     return f"{line}; kv_cache_dtype={self.args.kv_cache_dtype} ({dtype}, {self.kv_bytes_per_token} bytes per token)"
+
+# %% ../nbs/06b_engine.ipynb #50f72ad8
+@patch
+def _block_manager(self: LLMEngine, args, num_blocks, block_bytes, windows):
+    "The pool's books; with `kv_offloading_size`, a host tier behind the prefix cache (`03b_kv_offload`)."
+    if args.kv_offloading_size is None:
+        return make_block_manager(num_blocks, args.block_size, args.enable_prefix_caching, windows=windows)
+    if not args.enable_prefix_caching:
+        raise ValueError("kv_offloading_size keeps the blocks that the prefix cache evicts, under their hashes: "
+                         "it needs enable_prefix_caching=True")
+    if (args.speculative_config or {}).get("method") == "draft_model":     # its own cache would miss the loads
+        raise ValueError("kv_offloading_size does not load a draft model's KV cache yet: use speculative_config "
+                         "method 'ngram', or leave kv_offloading_size unset")
+    tier = tier_num_blocks(args.kv_offloading_size, block_bytes)
+    return OffloadingBlockManager(num_blocks, args.block_size, windows=windows, tier_blocks=tier)
 
 # %% ../nbs/06b_engine.ipynb #478988fd
 @patch
@@ -565,6 +583,9 @@ def _schedule(self: LLMEngine):
     "Phase 2: this step's `StepPlan`; what a failed step must put back is kept, and the cache's peak usage."
     self._t0 = time.perf_counter()
     plan = self.scheduler.schedule()
+    if self.offloading:                                  # the tier's copies run before the forward (`06_runner`)
+        plan.offload = self.block_manager.take_transfers()
+        if plan.is_empty: self.runner.transfer(plan.offload)          # no forward: run them now all the same
     self.stats["kv_cache_usage_peak"] = max(self.stats["kv_cache_usage_peak"], self.block_manager.usage)
     self._snapshot = StepSnapshot(self, plan)
     return plan
@@ -753,7 +774,17 @@ def get_metrics(self: LLMEngine):
                 prompt_tokens=self.stats["prompt_tokens"], generation_tokens=self.stats["generation_tokens"],
                 prompt_throughput=self.stats["prompt_tokens"]/busy,
                 generation_throughput=self.stats["generation_tokens"]/busy,
-                num_steps=self.stats["steps"], **(self.spec.metrics() if self.spec else {}))
+                num_steps=self.stats["steps"], **(self.spec.metrics() if self.spec else {}),
+                **(self._offload_metrics() if self.offloading else {}))
+
+@patch
+def _offload_metrics(self: LLMEngine) -> dict:
+    "The host tier's counters (`03b_kv_offload`): vLLM's external prefix-cache hits, blocks and bytes moved, time."
+    s, c = self.block_manager.offload_stats, self.runner.offload_counts
+    return dict(external_prefix_cache_queries=s["queries"], external_prefix_cache_hits=s["hits"],
+                kv_offload_num_blocks=s["num_blocks"], kv_offload_cached_blocks=s["num_cached_blocks"],
+                kv_offload_usage=s["usage"], kv_offload_evictions=s["evictions"],
+                kv_offload_stores_skipped=s["stores_skipped"], **{"kv_offload_" + k: v for k, v in c.items()})
 
 # %% ../nbs/06b_engine.ipynb #ddf05795
 class LLM:

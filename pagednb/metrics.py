@@ -135,6 +135,30 @@ def _vllm_metrics(x, s):
         x.counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", m["spec_num_draft_tokens"])
         x.counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.",
                   m["spec_num_accepted_tokens"])
+    if "external_prefix_cache_queries" in m: _offload_metrics(x, m)     # a second KV tier (`03b_kv_offload`)
+
+# %% ../nbs/10a_metrics.ipynb #ddf4475e
+_OFFLOAD_KNOWN = {"external_prefix_cache_queries", "external_prefix_cache_hits", "kv_offload_usage",
+                  "kv_offload_evictions", "kv_offload_stores_skipped", "kv_offload_bytes_stored",
+                  "kv_offload_bytes_loaded", "kv_offload_store_time", "kv_offload_load_time"}
+_DIRECTIONS = (("GPU_to_CPU", "stored", "store"), ("CPU_to_GPU", "loaded", "load"))   # vLLM's transfer_type
+
+def _offload_metrics(x, m):
+    "vLLM's KV-offloading families, from `get_metrics()` of an engine with a host tier."
+    x.counter("vllm:external_prefix_cache_queries", "External prefix cache queries from KV connector cross-instance "
+              "cache sharing, in terms of number of queried tokens.", m["external_prefix_cache_queries"])
+    x.counter("vllm:external_prefix_cache_hits", "External prefix cache hits from KV connector cross-instance cache "
+              "sharing, in terms of number of cached tokens.", m["external_prefix_cache_hits"])
+    by = lambda key: [(dict(transfer_type=t), m[key.format(d=d, v=v)]) for t, d, v in _DIRECTIONS]
+    x.family("vllm:kv_offload_total_bytes_total", "counter", "Bytes moved by KV offloading.",
+             by("kv_offload_bytes_{d}"))
+    x.family("vllm:kv_offload_total_time_total", "counter", "Seconds spent moving KV blocks.",
+             by("kv_offload_{v}_time"))
+    x.gauge("vllm:kv_offload_cpu_cache_usage_perc", "CPU KV-offloading tier usage. 1 means 100 percent usage.",
+            m["kv_offload_usage"])
+    x.counter("vllm:kv_offload_block_eviction", "Blocks evicted from the CPU tier.", m["kv_offload_evictions"])
+    x.counter("vllm:kv_offload_stores_skipped", "Blocks not stored: every tier slot was being read.",
+              m["kv_offload_stores_skipped"])
 
 # %% ../nbs/10a_metrics.ipynb #f4648665
 def _pagednb_metrics(x, s):
@@ -150,7 +174,7 @@ def _pagednb_metrics(x, s):
     x.gauge("pagednb:kv_blocks_invariants_ok", "1 if the block manager's invariants hold.", int(s["ok"]))
     if "spec_num_draft_tokens" in m: _spec_metrics(x, m)
     for k, v in m.items():                     # anything else the engine reports, under its own name
-        if k not in _KNOWN and not k.startswith("spec_") and isinstance(v, (int, float)):
+        if k not in _KNOWN | _OFFLOAD_KNOWN and not k.startswith("spec_") and isinstance(v, (int, float)):
             x.gauge(f"pagednb:engine_{k}", f"engine.get_metrics()['{k}']", v)
 
 # %% ../nbs/10a_metrics.ipynb #f4648665-1

@@ -372,7 +372,9 @@ def prepare_inputs(self: ModelRunner, plan) -> StepInputs:
 @patch
 @torch.inference_mode()
 def execute(self: ModelRunner, plan):
-    "Copy-on-write copies, then the forward; returns every scheduled token's hidden state, `[T, hidden]`."
+    "The tier's copies, copy-on-write copies, then the forward; every scheduled token's hidden state, `[T, hidden]`."
+    off = getattr(plan, "offload", None)                  # a second KV tier's stores and loads (`03b_kv_offload`)
+    if off is not None and not off.done: self.transfer(off)
     for src, dst in plan.copies:
         self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
     x = self.prepare_inputs(plan)
@@ -381,6 +383,42 @@ def execute(self: ModelRunner, plan):
     self.attn.inputs = self.last_inputs = x
     hidden = self.graphs.run(x) if self.graphs else None
     return self.model(x.input_ids, x.positions, self.attn) if hidden is None else hidden
+
+# %% ../nbs/06_runner.ipynb #7d6cf6da
+@patch
+def enable_offload(self: ModelRunner, num_blocks: int):
+    "A host buffer of `num_blocks` slots shaped like the pool's blocks (all layers' K and V): the second KV tier."
+    shape = self.kv_cache.shape[:2] + (num_blocks,) + self.kv_cache.shape[3:]
+    self.host_kv = torch.zeros(shape, dtype=self.kv_dtype, pin_memory=self.device.type == "cuda")
+    self.offload_counts = dict(blocks_stored=0, blocks_loaded=0, bytes_stored=0, bytes_loaded=0,
+                               store_time=0.0, load_time=0.0)
+
+# %% ../nbs/06_runner.ipynb #d338afe0
+def _last_per_target(pairs) -> tuple:
+    "Sources and targets of `(src, dst)` copies as index tensors, the last copy to each target only (it wins)."
+    last = {dst: src for src, dst in pairs}
+    return torch.tensor(list(last.values())), torch.tensor(list(last.keys()))
+
+@patch
+def _copy_blocks(self: ModelRunner, pairs, src_kv, dst_kv, kind):
+    "Copy whole blocks from `src_kv` to `dst_kv` (pool or tier), counting blocks, bytes and seconds as `kind`."
+    if not pairs: return
+    t0, (src, dst) = time.perf_counter(), _last_per_target(pairs)
+    dst_kv[:, :, dst.to(dst_kv.device)] = src_kv[:, :, src.to(src_kv.device)].to(dst_kv.device)
+    if self.device.type == "cuda": torch.cuda.synchronize(self.device)
+    c, block = self.offload_counts, self.host_kv[:, :, 0]
+    c[f"blocks_{kind}"] += len(dst)
+    c[f"bytes_{kind}"] += len(dst)*block.numel()*block.element_size()
+    c["store_time" if kind == "stored" else "load_time"] += time.perf_counter() - t0
+
+# %% ../nbs/06_runner.ipynb #2a3612f2
+@patch
+@torch.inference_mode()
+def transfer(self: ModelRunner, t):
+    "A step's copies with the tier: stores (pool to host), then loads (host to pool); once per step."
+    self._copy_blocks(t.stores, self.kv_cache, self.host_kv, "stored")
+    self._copy_blocks(t.loads, self.host_kv, self.kv_cache, "loaded")
+    t.done = True
 
 # %% ../nbs/06_runner.ipynb #e845d246
 @patch

@@ -209,6 +209,9 @@ def record(self: Trace, engine, plan, sampled):
         sampled=_token_lists(sampled), kv=_kv_entry(engine, bm)))
     wf = getattr(plan, "window_freed", None)
     if wf: self.steps[-1]["window_freed"] = _ids_dict(wf)      # blocks a sliding window left (`03a_hybrid_kv`)
+    off = getattr(plan, "offload", None)                       # a host tier's copies (`03b_kv_offload`)
+    if off is not None and (off.stores or off.loads):
+        self.steps[-1]["offload"] = dict(stores=[list(p) for p in off.stores], loads=[list(p) for p in off.loads])
     for toks in self.steps[-1]["sampled"].values():
         for t in toks:
             self._piece(t)

@@ -77,7 +77,7 @@ def torch_importers(module, seen=None):
     for dep in graph()[module]: found += torch_importers(dep, seen)
     return found
 
-@pytest.mark.parametrize("module", ["block_manager", "prefix_cache"])
+@pytest.mark.parametrize("module", ["block_manager", "prefix_cache", "kv_offload"])
 def test_memory_bookkeeping_imports_no_torch(module):
     check(torch_importers(module), f"{module} imports no torch (memory bookkeeping knows no tensors), "
                                    "not even through another pagednb module")
@@ -206,7 +206,7 @@ FLOORS = {   # floor -> the modules on it, as ARCHITECTURE.md draws them
     1: ["__init__", "kv_cache", "block_manager", "hybrid_kv", "attention", "sampling", "trace", "protocol",
         "metrics", "vllm_read", "vllm_events"],
     2: ["model", "scheduler", "prefix_cache", "plots"],
-    3: ["cpu_attention", "engine_args", "figures"],
+    3: ["cpu_attention", "engine_args", "figures", "kv_offload"],
     4: ["cpu_ops", "compare_views", "attention_views"],
     5: ["runner"], 6: ["spec_decode"], 7: ["engine"],
     8: ["core", "live_engine", "bench", "sim", "puzzles"],
