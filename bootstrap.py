@@ -132,8 +132,11 @@ def test(args):
             sys.exit(1)
     # two notebooks at a time on two cores: one BLAS thread each, or they fight over the cores
     run_notebooks(dict(e, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1"))
-    print("+ pytest tests -q " + " ".join(args), flush=True)
-    w = Watched([PY, "-m", "pytest", "tests", "-q", *args], capture=False, env=e)
+    # two pytest workers, a test file each at a time: many tests wait on a server or a browser, so one process leaves
+    # a core idle; one BLAS thread per worker (tests/conftest.py), or they fight over the two cores
+    cmd = ["tests", "-q", "-n", "2", "--dist", "loadfile", *args]
+    print("+ pytest " + " ".join(cmd), flush=True)
+    w = Watched([PY, "-m", "pytest", *cmd], capture=False, env=e)
     w.wait()
     print(f"pytest: {w.seconds:.0f} s, peak {w.peak/2**30:.2f} GiB", flush=True)
     if w.peak > SUITE_LIMIT_GIB * 2**30: print(f"pytest passed {SUITE_LIMIT_GIB} GiB", flush=True); sys.exit(1)
