@@ -95,7 +95,7 @@ def core_snapshot(e, stats) -> dict:
     return dict(m=e.get_metrics(), used=bm.num_used_blocks, cached=bm.num_cached_free_blocks,
                 free=bm.num_free_blocks - bm.num_cached_free_blocks, ok=ok,
                 running=_requests_of(e.scheduler.running), waiting=_requests_of(e.scheduler.waiting),
-                prompt_tokens=stats.prompt_tokens,
+                prompt_tokens=stats.prompt_tokens, block_size=getattr(bm, "block_size", None),
                 finished=dict(stats.finished), **{k: getattr(stats, k).copy() for k in _HISTOGRAMS})
 
 _HISTOGRAMS = ("ttft", "itl", "e2e", "queue_time", "prompt_len", "output_len")
@@ -103,6 +103,14 @@ _KNOWN = {"kv_cache_usage", "num_running", "num_waiting", "prefix_cache_queries"
           "num_preemptions", "prompt_tokens", "generation_tokens", "num_blocks", "num_free_blocks",
           "prefix_cache_hit_rate"}
 _REASONS = ("stop", "length", "abort", "error", "repetition")     # vLLM's FinishReason, each reported from 0
+
+# %% ../nbs/10a_metrics.ipynb #376a9472
+def _cache_config_info(x, s):
+    "vLLM's `cache_config_info`: the KV cache's settings as the labels of a gauge that reads 1."
+    m = s["m"]
+    if "kv_cache_dtype" not in m: return
+    info = dict(block_size=s.get("block_size"), cache_dtype=m["kv_cache_dtype"], num_gpu_blocks=m["num_blocks"])
+    x.gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", 1, **info)
 
 # %% ../nbs/10a_metrics.ipynb #bf53266f
 _VLLM_HISTOGRAMS = (("request_prompt_tokens", "prompt_len", "Number of prefill tokens processed."),
@@ -119,6 +127,7 @@ def _vllm_metrics(x, s):
     x.gauge("vllm:num_requests_running", "Number of requests in model execution batches.", s["running"])
     x.gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", s["waiting"])
     x.gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", m["kv_cache_usage"])
+    _cache_config_info(x, s)
     x.counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
               m["prefix_cache_queries"])
     x.counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",

@@ -296,6 +296,8 @@ def test_metrics_vllm_names_and_escaping(parts):
         assert all(s.labels["model_name"] == name and s.labels["engine"] == "0" for s in fams[n].samples), n
     def val(fam, sample, **labels):
         return next(s.value for s in fams[fam].samples if s.name == sample and all(s.labels.get(k) == v for k, v in labels.items()))
+    info = fams["vllm:cache_config_info"].samples[0]                         # vLLM's cache settings as labels, value 1
+    assert (info.value, info.labels["cache_dtype"], info.labels["num_gpu_blocks"]) == (1, "auto", "32")
     n_prompt = again["usage"]["prompt_tokens"]
     assert val("vllm:prompt_tokens", "vllm:prompt_tokens_total") == 2*n_prompt             # cache hits counted too
     assert val("vllm:prefix_cache_hits", "vllm:prefix_cache_hits_total") > 0
