@@ -25,6 +25,9 @@ PAGEDNB_ONLY = {
                                   "SamplingParams so that LLM.generate honours it too",
     },
     "serve_flags": {
+        "--calculate-kv-scales": "vLLM's own name for measuring fp8 K/V scales on the first forward pass; vLLM 0.32 no "
+                                 "longer has the flag (it reads scales from the checkpoint), pagednb keeps it to teach it",
+        "--no-calculate-kv-scales": "the off switch of --calculate-kv-scales, which vLLM 0.32 no longer has",
         "--disable-frontend-multiprocessing": "runs the engine in a thread of the API server; vLLM 0.32 switches this "
                                               "with VLLM_ENABLE_V1_MULTIPROCESSING=0 (older vLLM had this flag)",
         "--max-n": "caps a request's `n` so one request cannot fill a small CPU's KV cache; vLLM has no cap",
