@@ -705,7 +705,8 @@ FIDELITY_NOTES = {   # where a prediction misses, and why, from what each log st
         "scratch for 8,192 tokens x 8 experts is 0.55 GiB and the sampler's warm-up logits for 1,024 requests over "
         "the whole vocabulary 0.87 GiB. The log states only its KV cache, 6.1 GiB below the prediction, with no "
         "weights, peak or non-torch line to say where they went. Suspects the simulator does not model: PyTorch's "
-        "top-k/top-p sampler sorting those logits (about 3 GiB more, if FlashInfer's sampler was off), NCCL and "
+        "top-k/top-p sampler sorting those logits (about 3 GiB more, if FlashInfer's sampler was off: the A100 log "
+        "above leaves no room for it), NCCL and "
         "the custom all-reduce at TP 4 beyond the 0.23 GiB assumed, and the run's LMCache connector "
         "(--kv-transfer-config)",
     "v1_qwen3-0.6b_a100_flashinfer_bf16": "an 8,192-token profiling step: the LLM class on an A100, which vLLM gives "
