@@ -211,7 +211,8 @@ def _start_kv_events(self: LLMEngine, config):
     if self.kv_event_publisher is None: return
     if not getattr(self.block_manager, "enable_prefix_caching", False):
         return logger.warning("kv_events_config: no KV-cache events without enable_prefix_caching=True")
-    self.block_manager.enable_kv_events(seed=os.environ.get("PYTHONHASHSEED", DEFAULT_SEED))
+    seed = os.environ.get("PYTHONHASHSEED", DEFAULT_SEED)
+    self.block_manager.enable_kv_events(self.args.prefix_caching_hash_algo, seed)   # vLLM's hash, its first parent
 
 # %% ../nbs/06b_engine.ipynb #3ff7a749
 @patch

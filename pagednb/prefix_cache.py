@@ -245,11 +245,12 @@ def trim(self: PrefixCachingBlockManager, seq, num_tokens: int):
 @patch
 def reset_prefix_cache(self: PrefixCachingBlockManager) -> int:
     "Evict every cached-free block (their hashes are forgotten); returns how many."
-    n = len(self.cached_free)
+    n, mark = len(self.cached_free), len(self.kv_events or [])
     while self.cached_free:
         self.free_block_ids.append(self._evict())
         self.num_evictions -= 1
-    if self.kv_events is not None and not any(self.registries): self.kv_events.append(AllBlocksCleared())
+    if self.kv_events is not None and not any(self.registries):     # vLLM's reset says AllBlocksCleared alone
+        self.kv_events[mark:] = [AllBlocksCleared()]
     return n
 
 # %% ../nbs/03_prefix_cache.ipynb #6edf6855

@@ -9,16 +9,16 @@ __all__ = ['MODELS', 'MOE_TYPES', 'GPUS', 'CUDA_CONTEXT', 'GRAPH_BYTES', 'QUANT_
            'TIER_KNOBS', 'COST_MODELS', 'NCCL_PER_PEER', 'HUB_IDS', 'VLLM_FLAGS', 'LOG_MODELS', 'LOG_GPUS',
            'FIDELITY_NOTES', 'TIER_SHOWN', 'WORKLOADS', 'SHOWN', 'CALIBRATION_SHAPES', 'PROBE', 'SimConfig',
            'sim_config', 'model_config', 'attention_params', 'layer_params', 'mlp_params', 'body_params', 'num_params',
-           'GPU', 'activation_bytes', 'vllm_capture_sizes', 'cuda_graph_bytes', 'sizing_model', 'check_quantization',
-           'sim_args', 'host_link', 'tier_knobs', 'sim_dtype', 'check_parallel', 'shard_config', 'gpu_weight_bytes',
-           'CostModel', 'model_shape', 'step_features', 'cost_model', 'Simulator', 'kv_element_bytes',
-           'parallel_non_torch_bytes', 'vllm_flag', 'log_knobs', 'what_ifs', 'format_what_ifs', 'vllm_token_budget',
-           'log_gpu', 'fidelity', 'format_fidelity', 'SimRequest', 'prompt_tokens', 'Workload', 'offline', 'poisson',
-           'concurrent', 'rate_sweep', 'shared_prompt', 'seed_workload', 'mooncake_trace_path', 'load_trace',
-           'chat_sessions', 'KVTier', 'TieredBlockManager', 'SimEngine', 'SimulatedProposer', 'SimRun',
-           'serving_metrics', 'plot_sweep', 'format_tiers', 'metrics_html', 'time_steps', 'fit_cost', 'cost_from_fit',
-           'relative_errors', 'engine_knob_values', 'measure', 'validation_workloads', 'predicted_vs_measured',
-           'format_validation']
+           'GPU', 'mlp_activations', 'activation_bytes', 'vllm_capture_sizes', 'cuda_graph_bytes', 'sizing_model',
+           'check_quantization', 'sim_args', 'host_link', 'tier_knobs', 'sim_dtype', 'check_parallel', 'shard_config',
+           'gpu_weight_bytes', 'CostModel', 'model_shape', 'step_features', 'cost_model', 'Simulator',
+           'kv_element_bytes', 'parallel_non_torch_bytes', 'vllm_flag', 'log_knobs', 'what_ifs', 'format_what_ifs',
+           'vllm_token_budget', 'vllm_max_num_seqs', 'log_gpu', 'fidelity', 'format_fidelity', 'SimRequest',
+           'prompt_tokens', 'Workload', 'offline', 'poisson', 'concurrent', 'rate_sweep', 'shared_prompt',
+           'seed_workload', 'mooncake_trace_path', 'load_trace', 'chat_sessions', 'KVTier', 'TieredBlockManager',
+           'SimEngine', 'SimulatedProposer', 'SimRun', 'serving_metrics', 'plot_sweep', 'format_tiers', 'metrics_html',
+           'time_steps', 'fit_cost', 'cost_from_fit', 'relative_errors', 'engine_knob_values', 'measure',
+           'validation_workloads', 'predicted_vs_measured', 'format_validation']
 
 # %% ../nbs/09a_capacity.ipynb #sim-77de68da
 import dataclasses, gzip, hashlib, importlib.resources, json, math, random, re, shlex, time
@@ -243,14 +243,24 @@ GPUS = {g.name: g for g in [
     GPU("B200", int(178.35*GiB), 8000e9, 2250e12, 2250e12, 180, **_NVLINK5),
     GPU("MI300X", int(191.98*GiB), 5300e9, 1307e12, 1307e12, 192, interconnect=448e9, link="Infinity Fabric")]}
 
+# %% ../nbs/09a_capacity.ipynb #sim-moe-act
+def mlp_activations(cfg, num_tokens) -> int:
+    "Elements a layer's MLP holds: gate/up and their product, or vLLM's fused-MoE scratch for each token's top-k."
+    dense = num_tokens*3*cfg.intermediate_size
+    if not getattr(cfg, "num_experts", 0): return dense
+    I, k = cfg.moe_intermediate_size, cfg.num_experts_per_tok         # cache13 holds gate/up, then the experts' out
+    moe = num_tokens*(k*(max(2*I, cfg.hidden_size) + I) + 3*cfg.shared_intermediate_size)
+    return max(moe, dense if cfg.dense_mlp_layers else 0)
+
 # %% ../nbs/09a_capacity.ipynb #sim-1574bddb
 CUDA_CONTEXT = 512 << 20          # what the CUDA context and torch's allocator hold before the model loads
 
-def activation_bytes(cfg, num_tokens, dtype_bytes) -> int:
-    "Estimated peak of the engine's dummy step: one layer's live tensors, then the last 256 tokens' logits."
+def activation_bytes(cfg, num_tokens, dtype_bytes, num_seqs=256, vocab_size=None) -> int:
+    "Estimated peak of the engine's dummy step: one layer's live tensors, then `num_seqs` sequences' logits."
     qkv = (cfg.num_attention_heads + 2*cfg.num_key_value_heads)*cfg.head_dim
-    layer = num_tokens*(4*cfg.hidden_size + qkv + 3*cfg.intermediate_size)*dtype_bytes
-    return layer + min(num_tokens, 256)*cfg.vocab_size*(dtype_bytes + 4)
+    layer = num_tokens*(4*cfg.hidden_size + qkv) + mlp_activations(cfg, num_tokens)
+    logits = min(num_tokens, num_seqs)*(vocab_size or cfg.vocab_size)*(dtype_bytes + 4)   # all TP ranks' vocabulary
+    return layer*dtype_bytes + logits
 
 # %% ../nbs/09a_capacity.ipynb #sim-graphs
 GRAPH_BYTES = 8 << 20             # assumed: what each captured graph keeps of its own
@@ -522,7 +532,8 @@ def parallel_non_torch_bytes(tp=1, pp=1) -> int:
 def _gpu_blocks(self: Simulator, block_bytes) -> int:
     "KV blocks that fit on the GPU, by `runner.gpu_kv_budget` over the estimated `GPUMemory`, less CUDA graphs."
     g, a = self.gpu, self.args
-    act = activation_bytes(self.shard, self.sched_config.max_num_batched_tokens, self.shape["dtype_bytes"])
+    sc, vocab = self.sched_config, self.config.vocab_size                 # the sampler sees every rank's vocabulary
+    act = activation_bytes(self.shard, sc.max_num_batched_tokens, self.shape["dtype_bytes"], sc.max_num_seqs, vocab)
     free = g.memory - self.weight_bytes - CUDA_CONTEXT
     self.gpu_memory = mem = GPUMemory(g.memory, free, self.weight_bytes, act)
     sizes = None if a.enforce_eager else a.cudagraph_capture_sizes
@@ -689,12 +700,18 @@ LOG_GPUS = {"H100 80GB": "H100-80GB", "RTX 3090": "RTX-3090", "RTX 4090": "RTX-4
 
 # %% ../nbs/09a_capacity.ipynb #8af3c849
 FIDELITY_NOTES = {   # where a prediction misses, and why, from what each log states
-    "v1_qwen3-235b-a22b-fp8_4xh100_tp4": "a MoE model, its 128 experts counted: 235B parameters, 55.1 GiB of fp8 "
-        "weights per GPU; the log states only its KV cache, 7.3 GiB below the prediction, and no weights or peak to "
-        "say where they went: the run also had an LMCache connector (--kv-transfer-config), and the simulator's "
-        "0.23 GiB for NCCL at TP 4 and its activations leave out the MoE kernels' workspace",
-    "v1_qwen3-0.6b_a100_flashinfer_bf16": "a 16,384-token profiling step (the LLM class on an 80 GB GPU); the source "
-        "names only an 'A100': the 80 GB one, as the 40 GB one cannot hold 69.66 GiB",
+    "v1_qwen3-235b-a22b-fp8_4xh100_tp4": "not closed. A MoE model, its 128 experts all counted (235.1B parameters, "
+        "the model card's 235B): 55.1 GiB of fp8 weights per GPU; 1.7 GiB of activations, of which vLLM's fused-MoE "
+        "scratch for 8,192 tokens x 8 experts is 0.55 GiB and the sampler's warm-up logits for 1,024 requests over "
+        "the whole vocabulary 0.87 GiB. The log states only its KV cache, 6.1 GiB below the prediction, with no "
+        "weights, peak or non-torch line to say where they went. Suspects the simulator does not model: PyTorch's "
+        "top-k/top-p sampler sorting those logits (about 3 GiB more, if FlashInfer's sampler was off: the A100 log "
+        "above leaves no room for it), NCCL and "
+        "the custom all-reduce at TP 4 beyond the 0.23 GiB assumed, and the run's LMCache connector "
+        "(--kv-transfer-config)",
+    "v1_qwen3-0.6b_a100_flashinfer_bf16": "an 8,192-token profiling step: the LLM class on an A100, which vLLM gives "
+        "the smaller defaults; the source names only an 'A100': the 80 GB one, as the 40 GB one cannot hold "
+        "69.66 GiB",
     "v0_llama-3-8b_h100_tp1_table": "vLLM also took 1.79 GiB of non-torch memory (CUDA context, cuBLAS and NCCL "
         "buffers) off the share, which the simulator does not; its activations, 1.18 GiB, are near the log's 1.26",
     "v0_llama-3.1-8b_rtx3090_20k": "the activation estimate for a 20,000-token step, 2.62 GiB, is above the 2.07 GiB "
@@ -721,8 +738,16 @@ def vllm_token_budget(engine, max_model_len, gpu, server=True):
     "vLLM's default (max_num_batched_tokens, chunked prefill): the step its memory profiling runs."
     if engine == "V0":                                          # V0: chunked prefill only from 32k tokens on
         return (2048, True) if max_model_len >= 32768 else (max(max_model_len, 2048), False)
-    if gpu.memory >= 70*GiB: return (8192 if server else 16384), True    # V1: `vllm serve` / `LLM(...)`
+    if _large_gpu(gpu): return (8192 if server else 16384), True    # V1: `vllm serve` / `LLM(...)`
     return (2048 if server else 8192), True
+
+def _large_gpu(gpu) -> bool:
+    "vLLM's larger V1 defaults: a GPU of 70 GiB or more, but not an A100 (slower with them, vLLM's PR 17885)."
+    return gpu.memory >= 70*GiB and not gpu.name.startswith("A100")
+
+def vllm_max_num_seqs(engine, gpu) -> int:
+    "vLLM's default `max_num_seqs`: 1024 on V1's large GPUs, else 256; its sampler warms up on that many requests."
+    return 1024 if engine != "V0" and _large_gpu(gpu) else 256
 
 # %% ../nbs/09a_capacity.ipynb #5c5911ce
 def log_gpu(side):
@@ -754,6 +779,7 @@ def _predict(side, info):
     knobs = log_knobs(info) | {k: v for k, v in side.get("knobs", {}).items() if k in knob_names(SIM_EXCLUDES)}
     L = knobs.get("max_model_len") or model_config(model).max_position_embeddings
     budget, chunked = vllm_token_budget(side["engine"], L, GPUS[gpu], server="LLM(" not in cmd and "lm_eval" not in cmd)
+    knobs.setdefault("max_num_seqs", vllm_max_num_seqs(side["engine"], GPUS[gpu]))
     try: sim = Simulator(model, gpu, log=False, max_num_batched_tokens=budget, enable_chunked_prefill=chunked, **knobs)
     except ValueError as e:
         if not (m := _ROOM.search(str(e))): return None, None, str(e)

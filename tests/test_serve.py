@@ -270,11 +270,13 @@ def test_speculative_server(reference):
     finally: proc.stop()
 
 def test_serve_publishes_kv_events(tmp_path):
-    "`--kv-events-config` as vLLM takes it: the server's KV-cache events, read by the subscriber, mirror its cache."
+    """`--kv-events-config` as vLLM takes it: the server's KV-cache events, read by the subscriber, mirror its cache;
+    `--prefix-caching-hash-algo sha256_cbor` names the blocks by vLLM's CBOR hashes."""
     from pagednb.vllm_events import KVEventSubscriber, PrefixCacheMirror
     endpoint = f"ipc://{tmp_path}/serve-kv-events.ipc"
     cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": "kv"}
-    p = ServerProcess("--kv-events-config", json.dumps(cfg), env={"PYTHONHASHSEED": "0"})
+    p = ServerProcess("--kv-events-config", json.dumps(cfg), "--prefix-caching-hash-algo", "sha256_cbor",
+                      env={"PYTHONHASHSEED": "0"})
     try:
         url = p.ready()
         with KVEventSubscriber(endpoint, topic="kv") as sub:
@@ -283,7 +285,7 @@ def test_serve_publishes_kv_events(tmp_path):
             body = {"model": NAME, "prompt": SYSTEM * 2, "max_tokens": 2, "temperature": 0}
             r = httpx.post(url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
             assert r.status_code == 200, r.text
-            mirror = PrefixCacheMirror(seed="0")                          # vLLM's seed rule: PYTHONHASHSEED
+            mirror = PrefixCacheMirror(hash_algo="sha256_cbor", seed="0")   # vLLM's seed rule: PYTHONHASHSEED
             mirror.feed(list(sub.frames(duration=30, idle=2)))
         assert (mirror.decoder.malformed, mirror.block_size) == (0, 16)
         assert mirror.cached_prefix(ids) == len(ids) // 16 > 0

@@ -155,6 +155,29 @@ def test_pagednb_engine_publishes_what_its_prefix_cache_holds(tmp_path):
     assert (mirror.blocks, mirror.cleared) == ({}, 1)
     llm.shutdown()
 
+def test_prefix_caching_hash_algo_names_blocks_as_vllm_does(tmp_path):
+    "`prefix_caching_hash_algo='sha256_cbor'`: the events carry vLLM's CBOR hashes; the xxhash ones are refused."
+    from pagednb.engine import LLM
+    from pagednb.engine_args import EngineArgs
+    from pagednb.cli import make_parser
+    from pagednb.sampling import SamplingParams
+    endpoint = f"ipc://{tmp_path}/pagednb-cbor.ipc"
+    cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": "kv"}
+    llm = LLM(max_model_len=256, log=False, kv_events_config=cfg, prefix_caching_hash_algo="sha256_cbor")
+    ids = list(range(1000, 1040))
+    with KVEventSubscriber(endpoint, topic="kv") as sub:
+        time.sleep(0.3)
+        llm.generate([ids], SamplingParams(max_tokens=1), use_tqdm=False)
+        events = [e for f in sub.frames(idle=1.0) for e in EventDecoder().decode(f)]
+    llm.shutdown()
+    seed = os.environ.get("PYTHONHASHSEED", DEFAULT_SEED)
+    stored = [h for e in events if isinstance(e, BlockStored) for h in e.block_hashes]
+    assert stored == vllm_block_hashes(ids, 16, "sha256_cbor", seed=seed) != vllm_block_hashes(ids, 16, seed=seed)
+    with pytest.raises(ValueError, match=r"use one of \('sha256', 'sha256_cbor'\)"):
+        EngineArgs(prefix_caching_hash_algo="xxhash")
+    ns = make_parser().parse_args(["serve", "--prefix-caching-hash-algo", "sha256_cbor"])
+    assert ns.prefix_caching_hash_algo == "sha256_cbor"
+
 def test_publisher_frames_and_replay(tmp_path):
     import zmq
     endpoint, replay = f"ipc://{tmp_path}/pub.ipc", f"ipc://{tmp_path}/replay.ipc"
