@@ -1234,11 +1234,12 @@ def _execute(self: SimEngine, plan):
 # %% ../nbs/09a_capacity.ipynb #sim-load-time
 @patch
 def _load_time(self: SimEngine) -> float:
-    "Seconds of this step's copies to and from the tier (the engine's `take_transfers`): bytes over the link."
+    "Seconds of this step's copies over the link (`take_transfers`): its loads, and on a CPU its stores too."
     bm = self.block_manager
     if not isinstance(bm, TieredBlockManager): return 0.0
     t = bm.take_transfers()
-    dt = (len(t.stores) + len(t.loads))*self.sim.block_bytes/self.sim.tier_bandwidth
+    n = len(t.loads) + (len(t.stores) if self.sim.device == "cpu" else 0)
+    dt = n*self.sim.block_bytes/self.sim.tier_bandwidth
     bm.load_time += dt
     return dt
 
