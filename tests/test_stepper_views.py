@@ -331,3 +331,14 @@ def test_no_tier_draws_no_lane(ab):
     tr = ab[0][0]
     geo = geometry(tr)
     assert "tier" not in geo and "tier_blocks" not in tr.meta and len(map_panel(tr, 0, geo)) == 8
+
+def test_the_live_stepper_draws_the_tier(tier_run):
+    llm = tier_run[2]
+    st = EngineStepper(llm)
+    st.add_request(PROMPTS[2], max_tokens=3)
+    st.run()
+    assert st.trace.meta["tier_blocks"] == 8 and "tier" in st.geo
+    fig, v = st.figs["map"], st.view()
+    assert [d.name for d in fig.data[9:11]] == ["stored to the tier", "loaded from the tier"]
+    assert list(fig.data[8].marker.color) == v["map"][8]["marker"]["color"]          # the slots as the view has them
+    assert len(fig.data[8].x) == 8 and fig.layout.height >= 110 + 28*st.geo["rows"]
