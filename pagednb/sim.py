@@ -33,6 +33,7 @@ from .kv_cache import kv_bytes_per_token, sample_workload
 from .attention import kv_storage_dtype
 from .block_manager import kv_waste, memory_snapshot
 from .prefix_cache import make_block_manager, PrefixCachingBlockManager
+from .kv_offload import OffloadingBlockManager
 from .scheduler import Scheduler, SchedulerConfig, Sequence, SequenceStatus
 from .runner import GPUMemory, gpu_kv_budget, num_kv_blocks, model_bytes, grouped_kv_line, GiB
 from .hybrid_kv import model_kv_groups, need_blocks, max_concurrency, is_hybrid
@@ -1121,66 +1122,32 @@ def lookup(self: KVTier, hashes) -> int:
     return n
 
 # %% ../nbs/09a_capacity.ipynb #sim-tiered
-class TieredBlockManager(PrefixCachingBlockManager):
-    "A prefix-caching pool whose evicted blocks go to a `KVTier`, and whose lookups load the tier's blocks back."
-    def __init__(self, num_blocks: int, block_size: int, tier: KVTier, watermark: float = 0.01):
-        super().__init__(num_blocks, block_size, watermark)
-        self.tier, self.loaded, self.tier_hits, self.pending_loads = tier, set(), 0, 0
+class TieredBlockManager(OffloadingBlockManager):
+    "The engine's pool and host tier (`03b_kv_offload`), and what the simulator reads: the tier's peak, the link time."
+    def __init__(self, num_blocks: int, block_size: int, tier=1, watermark: float = 0.01):
+        n = getattr(tier, "capacity", tier)                      # a number of slots, or a `KVTier` of that capacity
+        super().__init__(num_blocks, block_size, watermark, tier_blocks=n)
+        self.peak, self.load_time = 0, 0.0
 
-@patch
-def _evict(self: TieredBlockManager) -> int:
-    "`PrefixCachingBlockManager._evict`, the block's hash kept in the tier (its K/V copied out)."
-    h = self.blocks[next(iter(self.cached_free))].block_hash if self.cached_free else None
-    bid = PrefixCachingBlockManager._evict(self)
-    self.tier.store(h)
-    self.loaded.discard(bid)
-    return bid
 
 # %% ../nbs/09a_capacity.ipynb #sim-tiered-load
 @patch
-def _load(self: TieredBlockManager, h) -> int:
-    "Block `h` into the pool: the block that holds it already, or a fresh one its K/V is copied into (cached, unheld)."
-    if h in self.hash_to_block: return self.hash_to_block[h]
-    bid = self._pop_free_block()
-    blk = self.blocks[bid]
-    blk.block_hash, blk.group, self.hash_to_block[h] = h, 0, bid
-    self._decref(bid)                                       # cached and unheld: the lookup's caller takes it
-    self.loaded.add(bid)
-    self.tier.loads, self.pending_loads = self.tier.loads + 1, self.pending_loads + 1
-    return bid
+def take_transfers(self: TieredBlockManager):
+    "The engine's `take_transfers` (the step's stores and loads), noting the tier's peak occupancy first."
+    self.peak = max(self.peak, len(self.tier.slots))
+    return OffloadingBlockManager.take_transfers(self)
 
-# %% ../nbs/09a_capacity.ipynb #sim-tiered-lookup
-@patch
-def get_computed_blocks(self: TieredBlockManager, seq) -> list:
-    "The pool's hits, then the tier's blocks that follow them, loaded while the pool has room beside the hits."
-    hits = PrefixCachingBlockManager.get_computed_blocks(self, seq)
-    n = (seq.num_tokens - 1)//self.block_size
-    if len(hits) >= n or getattr(seq, "skip_prefix_cache", False): return hits
-    for b in hits:
-        if b in self.cached_free: self.cached_free.move_to_end(b)      # the loads evict other blocks first
-    room = self.num_free_blocks - sum(b in self.cached_free for b in hits) - self.watermark_blocks - 1
-    k = min(self.tier.lookup(seq.block_hashes[len(hits):n]), max(0, room))
-    return hits + [self._load(h) for h in seq.block_hashes[len(hits):len(hits) + k]]
 
 # %% ../nbs/09a_capacity.ipynb #sim-tiered-alloc
-@patch
-def allocate(self: TieredBlockManager, seq, num_new_tokens: int, computed_blocks=(), num_lookahead_slots: int = 0):
-    "`PrefixCachingBlockManager.allocate`, counting on admission the hit tokens that the tier served."
-    admission = seq.seq_id not in self.seqs
-    out = PrefixCachingBlockManager.allocate(self, seq, num_new_tokens, computed_blocks, num_lookahead_slots)
-    if admission:
-        served = [b for b in computed_blocks if b in self.loaded]
-        self.tier_hits += len(served)*self.block_size
-        self.loaded.difference_update(served)
-    return out
-
 @patch(as_prop=True)
 def tier_metrics(self: TieredBlockManager) -> dict:
     "Hit rates per tier (shares of the prompt tokens queried), blocks stored, loaded and evicted, the tier's peak."
-    q, t, tier = self.num_queries, self.tier_hits, self.tier
-    return dict(pool_hit_rate=(self.num_hits - t)/q if q else 0.0, tier_hit_rate=t/q if q else 0.0,
-                tier_blocks_stored=tier.stores, tier_blocks_loaded=tier.loads, tier_evictions=tier.evictions,
-                tier_usage_peak=tier.peak/tier.capacity if tier.capacity else 0.0)
+    s, q = self.offload_stats, self.num_queries
+    peak = max(self.peak, s["num_cached_blocks"])/s["num_blocks"]
+    return dict(pool_hit_rate=self.num_hits/q if q else 0.0, tier_hit_rate=s["hits"]/q if q else 0.0,
+                tier_blocks_stored=s["blocks_stored"], tier_blocks_loaded=s["blocks_loaded"],
+                tier_evictions=s["evictions"], tier_usage_peak=peak)
+
 
 # %% ../nbs/09a_capacity.ipynb #sim-lru
 @patch
@@ -1201,7 +1168,8 @@ def _sim_block_manager(sim):
     a, windows = sim.args, [g.window for g in sim.kv_groups]
     if not sim.tier_blocks:
         return make_block_manager(sim.num_blocks, a.block_size, a.enable_prefix_caching, windows=windows)
-    return TieredBlockManager(sim.num_blocks, a.block_size, KVTier(sim.tier_blocks))
+    return TieredBlockManager(sim.num_blocks, a.block_size, sim.tier_blocks)
+
 
 # %% ../nbs/09a_capacity.ipynb #sim-8effee40
 class SimEngine:
@@ -1284,7 +1252,7 @@ def _execute(self: SimEngine, plan):
     batch = [(sc.num_new_tokens, sc.start) for sc in plan.scheduled]
     rows = sum(1 + len(sc.draft_tokens) for sc in plan.ready)
     dt = self.sim.cost.step_time(step_features(self.sim.shape, batch, rows))
-    load = self._load_time()                                 # tier hits copied in: during the step, or before it
+    load = self._load_time()                                 # the tier's copies: during the step, or before it
     dt = max(dt, load) if self.sim.tier_knobs["kv_offloading_overlap"] else dt + load
     self.now += dt
     self.stats["busy_time"] += dt
@@ -1292,12 +1260,15 @@ def _execute(self: SimEngine, plan):
 # %% ../nbs/09a_capacity.ipynb #sim-load-time
 @patch
 def _load_time(self: SimEngine) -> float:
-    "Seconds to copy in the blocks this step's lookups took from the tier: bytes over the link's bandwidth."
+    "Seconds of this step's copies over the link (`take_transfers`): its loads, and on a CPU its stores too."
     bm = self.block_manager
     if not isinstance(bm, TieredBlockManager): return 0.0
-    t = bm.pending_loads*self.sim.block_bytes/self.sim.tier_bandwidth
-    bm.pending_loads, bm.load_time = 0, getattr(bm, "load_time", 0.0) + t
-    return t
+    t = bm.take_transfers()
+    n = len(t.loads) + (len(t.stores) if self.sim.device == "cpu" else 0)
+    dt = n*self.sim.block_bytes/self.sim.tier_bandwidth
+    bm.load_time += dt
+    return dt
+
 
 # %% ../nbs/09a_capacity.ipynb #sim-6c1e671f
 @patch
@@ -1420,7 +1391,9 @@ def _metrics(self: Simulator, eng, recs, usage) -> dict:
              max_concurrency=self.memory["max_concurrency"],
              kv_cache_waste_mean=float(np.mean(eng.waste)) if eng.waste else 0.0)
     bm = eng.block_manager
-    if isinstance(bm, TieredBlockManager): m.update(bm.tier_metrics, tier_load_time=getattr(bm, "load_time", 0.0))
+    if isinstance(bm, TieredBlockManager):
+        m.update(bm.tier_metrics, tier_load_time=bm.load_time)
+        m["prefix_cache_hit_rate"] = m["pool_hit_rate"] + m["tier_hit_rate"]      # the hits of both tiers
     return m
 
 # %% ../nbs/09a_capacity.ipynb #sim-b7103ca2

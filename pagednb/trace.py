@@ -54,6 +54,11 @@ def _groups_meta(engine) -> dict:
     kv = [dict(window=g.window, layers=list(g.layers)) for g in groups]
     return dict(kv_groups=kv, null_block=engine.block_manager.null_block)
 
+def _tier_meta(engine) -> dict:
+    "With a host tier (`kv_offloading_size`, `03b_kv_offload`): its number of slots; else nothing."
+    n = getattr(getattr(engine.block_manager, "tier", None), "num_blocks", None)
+    return dict(tier_blocks=n) if getattr(engine, "offloading", False) and n else {}
+
 def _engine_meta(engine):
     "The engine's model name, pool and scheduler knobs, for the trace's `meta`."
     bm, sc, cfg = engine.block_manager, engine.sched_config, engine.model_config
@@ -65,7 +70,7 @@ def _engine_meta(engine):
                 enable_prefix_caching=bool(getattr(bm, "enable_prefix_caching", False)),
                 enable_chunked_prefill=sc.enable_chunked_prefill, max_num_batched_tokens=sc.max_num_batched_tokens,
                 max_num_seqs=sc.max_num_seqs, max_model_len=sc.max_model_len,
-                attention_backend=attn and engine.runner.attn.backend, **_groups_meta(engine))
+                attention_backend=attn and engine.runner.attn.backend, **_groups_meta(engine), **_tier_meta(engine))
 
 # %% ../nbs/08_trace.ipynb #ef98a223
 @patch(cls_method=True)
@@ -408,6 +413,37 @@ def window_freed(self: Trace, i) -> list:
             g = next((g for g, t in enumerate(before or []) if b in t), windowed[0] if len(windowed) == 1 else None)
             out.append(dict(seq=int(k), group=by_count[j] if len(by_count) == len(blocks) else g, block=b))
     return out
+
+# %% ../nbs/08_trace.ipynb #04a46cbc
+def _learn_hashes(st: dict, src: dict):
+    "Remember, for each full block's hash in compact step `st`, the first sequence and logical page that held it."
+    for k, s in st["seqs"].items():
+        for lg, b in enumerate(s["table"]):
+            h = st["hash"].get(str(b))
+            if h is not None: src.setdefault(h, [int(k), lg])
+
+def _slots_named(trace) -> list:
+    "Every tier slot that a recorded copy names (stores `[block, slot]`, loads `[slot, block]`)."
+    off = [st["offload"] for st in trace.steps if "offload" in st]
+    return [k for o in off for k in [s for _, s in o["stores"]] + [s for s, _ in o["loads"]]]
+
+
+# %% ../nbs/08_trace.ipynb #c8c28a6b
+@patch
+def tier_slots(self: Trace) -> list:
+    "Per step, the host tier after it: each slot's hash (None if free) and owner, and the blocks stored and loaded."
+    slots = [None]*(self.meta.get("tier_blocks") or 1 + max(_slots_named(self), default=-1))
+    src, prev, out = {}, {}, []
+    for st in self.steps:
+        off = st.get("offload") or dict(stores=[], loads=[])
+        stored = [dict(block=b, slot=k, hash=prev.get(str(b), "?")) for b, k in off["stores"]]
+        for s in stored: slots[s["slot"]] = s["hash"]                  # a step's stores run first, then its loads
+        loaded = [dict(slot=k, block=b, hash=slots[k]) for k, b in off["loads"]]
+        _learn_hashes(st, src)
+        out.append(dict(slots=list(slots), owners=[src.get(h) for h in slots], stored=stored, loaded=loaded))
+        prev = st["hash"]
+    return out
+
 
 # %% ../nbs/08_trace.ipynb #h18-tr-spec
 @patch

@@ -6,7 +6,7 @@ animated view, that moving to another frame draws that frame's data."""
 import json, shutil
 import pytest
 from docs_browser import CHROMIUM, CHROMIUM_ARGS, have_browser, serve
-from test_stepper_views import model_dir, parts, spec_run, attn_engine, ab, PROMPTS, _run   # noqa: F401 (fixtures)
+from test_stepper_views import model_dir, parts, spec_run, attn_engine, ab, tier_run, PROMPTS, _run   # noqa: F401
 from pagednb.engine import LLM
 from pagednb.sampling import SamplingParams
 from pagednb.trace import tracing
@@ -120,3 +120,19 @@ def test_one_request_and_the_stepper_animation_in_a_browser(browser, parts):
                  "stepper")              # the docs' stepper: one column, no sideways scroll
     page.close()
     assert not browser["errors"], browser["errors"]
+
+def test_the_tier_lane_in_a_browser(browser, tier_run):
+    tr, truth, _ = tier_run
+    k = next(i for i, t in enumerate(truth) if t["loads"])
+    geo = geometry(tr)
+    page = _open(browser, map_figure(tr, geo, k), "tier")
+    want = map_panel(tr, k, geo)
+    assert page.evaluate(_DATA, 8)["marker"]["color"] == want[8]["marker"]["color"]      # the tier's slots
+    assert page.evaluate(_DATA, 10)["x"] == want[10]["x"]                                  # the loads' arrows
+    cyan = """[...document.querySelectorAll('#fig .scatterlayer path.point')]
+                .filter(p => (p.style.fill + ' ' + p.style.stroke).includes('23, 190, 207')).length"""
+    assert page.evaluate(cyan) >= 2                                       # a load's two ends, drawn
+    said = page.evaluate("[...document.querySelectorAll('#fig .textpoint text')].map(t => t.textContent)")
+    assert want[11]["text"][1] in said and "tier" in said
+    page.screenshot(path=str(browser["root"]/"tier.png"))
+    page.close()

@@ -14,7 +14,7 @@ from pagednb.figures import (geometry, map_panel, spec_panel, spec_figure, laten
                              has_speculation, MAX_WIDTH)
 from pagednb.compare_views import compare, differences, trace_metrics, aligned_steps, logical_to_physical
 from pagednb.attention_views import token_attention, page_attention, page_mass
-from pagednb.plots import seq_color
+from pagednb.plots import seq_color, FREE_COLOR
 
 SYSTEM = "You are a kind teacher. Explain computer memory with one short, concrete example."
 PROMPTS = [f"{SYSTEM}\nQ: {q}\nA:" for q in ["What is a page?", "Why cache?", "What is a hash?"]]
@@ -282,3 +282,63 @@ def test_logical_to_physical_follows_the_block_table(parts):
         assert f[3].text[-1].startswith(f"→ {table[t//4]} ")
     assert fig.layout.width <= MAX_WIDTH
     with pytest.raises(ValueError, match="not in this trace"): logical_to_physical(tr, 42)
+
+# ------------------------------------------------------------------------------------------------ host tier
+
+@pytest.fixture(scope="module")
+def tier_run(parts):
+    "Three prompts one at a time on a pool of 9 pages and a tier of 8 slots: the second evicts the first to the tier."
+    probe = LLM(parts, log=False, block_size=4, num_gpu_blocks_override=9, max_model_len=36)
+    size = 8*4*probe.engine.kv_bytes_per_token/2**30                    # 8 pages of 4 tokens, every layer
+    llm = LLM(parts, log=False, block_size=4, num_gpu_blocks_override=9, max_model_len=36, kv_offloading_size=size)
+    truth = []
+    held = lambda e: {k: h[:4].hex() for h, k in e.block_manager.tier.slots.items()}
+    pairs = lambda ps: [list(p) for p in ps]
+    moved = lambda plan: dict(stores=pairs(plan.offload.stores), loads=pairs(plan.offload.loads))
+    llm.engine.on_step = lambda e, plan, s: truth.append(dict(slots=held(e), **moved(plan)))
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    other = "Tell me a long story about a cat who lived in a big old house near the sea, and"
+    with tracing(llm) as tr:
+        for p in (PROMPTS[0], other, PROMPTS[1]): llm.generate([p], sp, use_tqdm=False)
+    return tr, truth, llm
+
+def test_the_tier_lane_against_the_engines_tier(tier_run):
+    tr, truth, llm = tier_run
+    n = llm.engine.block_manager.tier.num_blocks
+    assert tr.meta["tier_blocks"] == n == 8
+    tiers, geo = tr.tier_slots(), geometry(tr)
+    assert any(t["loads"] for t in truth) and any(t["stores"] for t in truth)
+    for i, (t, want) in enumerate(zip(tiers, truth)):
+        assert t["slots"] == [want["slots"].get(k) for k in range(n)]                # every slot, every step
+        assert [[s["block"], s["slot"]] for s in t["stored"]] == want["stores"]
+        assert [[s["slot"], s["block"]] for s in t["loaded"]] == want["loads"]
+        m = map_panel(tr, i, geo)
+        assert len(m) == 12 and len(m[9]["x"]) == 3*len(want["stores"]) and len(m[10]["x"]) == 3*len(want["loads"])
+        assert m[11]["text"][1].endswith(f"stored {len(want['stores'])}, loaded {len(want['loads'])}")
+        for k, (h, who) in enumerate(zip(t["slots"], t["owners"])):
+            assert (m[8]["marker"]["color"][k] == FREE_COLOR) == (h is None)
+            if who: assert m[8]["marker"]["color"][k] == seq_color(who[0])
+    k = next(i for i, t in enumerate(truth) if t["loads"])
+    slot, block = truth[k]["loads"][0]
+    m = map_panel(tr, k, geo)
+    assert (m[10]["x"][0], m[10]["y"][0]) == geo["tier"]["pos"][slot]                  # from the slot
+    assert (m[10]["x"][1], m[10]["y"][1]) == geo["pos"][block]                         # to the pool's page
+    pool_rows = -(-tr.meta["num_blocks"]//geo["cols"])
+    assert geo["tier"]["y0"] == geo["y0"] + pool_rows + 1                       # below the pool, a row apart
+    assert EngineStepper(tr).view(k)["map"] == m and "host tier: " in EngineStepper(tr).view(k)["summary"]
+
+def test_no_tier_draws_no_lane(ab):
+    tr = ab[0][0]
+    geo = geometry(tr)
+    assert "tier" not in geo and "tier_blocks" not in tr.meta and len(map_panel(tr, 0, geo)) == 8
+
+def test_the_live_stepper_draws_the_tier(tier_run):
+    llm = tier_run[2]
+    st = EngineStepper(llm)
+    st.add_request(PROMPTS[2], max_tokens=3)
+    st.run()
+    assert st.trace.meta["tier_blocks"] == 8 and "tier" in st.geo
+    fig, v = st.figs["map"], st.view()
+    assert [d.name for d in fig.data[9:11]] == ["stored to the tier", "loaded from the tier"]
+    assert list(fig.data[8].marker.color) == v["map"][8]["marker"]["color"]          # the slots as the view has them
+    assert len(fig.data[8].x) == 8 and fig.layout.height >= 110 + 28*st.geo["rows"]

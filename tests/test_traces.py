@@ -145,6 +145,7 @@ def test_tiered_pool_random_lookups_keep_its_books():
     import random
     from pagednb.block_manager import Sequence
     rng, bm = random.Random(0), S.TieredBlockManager(12, 4, S.KVTier(10), watermark=0)
+    assert isinstance(bm, S.OffloadingBlockManager) and bm.tier.num_blocks == 10     # the engine's books
     prefixes = [[rng.randrange(1000) for _ in range(rng.choice((4, 8, 12, 20)))] for _ in range(6)]
     for i in range(300):
         toks = rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randrange(1, 9))]
@@ -154,10 +155,34 @@ def test_tiered_pool_random_lookups_keep_its_books():
         if not bm.can_allocate(s, n, hits): continue
         bm.allocate(s, n, hits)
         bm.cache_blocks(s, len(toks))
-        assert bm.check_invariants() and len(bm.tier) <= bm.tier.capacity
+        bm.take_transfers()
+        assert bm.check_invariants() and len(bm.tier.slots) <= bm.tier.num_blocks
         bm.deallocate(s)
-    assert bm.num_used_blocks == 0 and bm.tier_hits > 0 and bm.tier.loads >= bm.tier_hits//4
-    assert bm.num_hits <= bm.num_queries and bm.check_invariants()
+    m = bm.tier_metrics
+    assert bm.num_used_blocks == 0 and bm.tier.hits > 0 and m["tier_blocks_loaded"] == bm.tier.hits//4
+    assert bm.num_hits <= bm.num_queries and bm.check_invariants() and 0 < m["tier_usage_peak"] <= 1
+
+def test_simulated_tier_hits_are_the_engines(tmp_path, monkeypatch):
+    "The same chats on the real engine with a tier and in the simulator: the same hits, stores and loads."
+    from helpers import tiny_hf_model
+    from pagednb.engine import LLM
+    from pagednb.sampling import SamplingParams
+    tiny_hf_model("llama", tmp_path, vocab_size=2048, max_position_embeddings=512)   # the workload's ids < 1100
+    monkeypatch.setitem(S.COST_MODELS, "cpu", S.CostModel(1e11, 1e10))           # as if calibrated
+    knobs = dict(block_size=4, num_gpu_blocks_override=10, max_model_len=40, log=False)
+    size = 6*4*LLM(str(tmp_path), **knobs).engine.kv_bytes_per_token/S.GiB          # a tier of 6 blocks
+    llm = LLM(str(tmp_path), kv_offloading_size=size, **knobs)
+    w = S.chat_sessions(3, turns=2, system_len=12, user_len=(4, 8), output_len=4, think_time=100.0, rate=0.01, seed=0)
+    for i, r in sorted(enumerate(w.requests), key=lambda p: p[1].arrival_time):     # one at a time, as they arrive
+        llm.generate([S.prompt_tokens(r, i)], SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True),
+                     use_tqdm=False)
+    bm = llm.engine.block_manager
+    sim = S.Simulator(str(tmp_path), "cpu", kv_offloading_size=size, **S.engine_knob_values(llm))
+    assert (sim.tier_blocks, sim.num_blocks) == (bm.tier.num_blocks, bm.num_blocks) == (6, 10)
+    m, q = sim.run(w).metrics, bm.num_queries
+    got = (m["tier_hit_rate"], m["pool_hit_rate"], m["tier_blocks_stored"], m["tier_blocks_loaded"])
+    assert got == (bm.tier.hits/q, bm.num_hits/q, bm.tier.stored, bm.tier.loaded)
+    assert bm.tier.loaded > 0 and bm.tier.evictions > 0
 
 def test_lru_hit_rates_ceiling_and_monotone_tiers(trace):
     w = S.load_trace(trace)
