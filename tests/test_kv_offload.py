@@ -1,6 +1,6 @@
 """The second KV tier (`kv_offloading_size`): token-equal to Hugging Face when prefixes come back from the tier, hit
 counts worked by hand, no leaked pool or tier blocks, the tier never over its size, and clear errors for bad knobs."""
-import math
+import math, time
 import pytest, torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 from pagednb.block_manager import Sequence, InvalidBlockError
@@ -75,6 +75,21 @@ def test_greedy_matches_hf_with_tier(case, parts, turns, reference):
     x = Exposition()
     _offload_metrics(x, m)                                                                # what /metrics shows
     assert f'vllm:external_prefix_cache_hits_total {m["external_prefix_cache_hits"]}' in x.text().splitlines()
+    check_clean(llm)
+
+def test_slow_copies_waited_for(parts, turns, reference, monkeypatch):
+    "Copies slowed down on purpose, on the copy thread: the forward waits for each layer's, and the tokens stay HF's."
+    from pagednb.runner import ModelRunner
+    copy = ModelRunner._copy_layer
+    def slow(self, *args):
+        time.sleep(0.002)                                     # late: a forward that did not wait would read garbage
+        copy(self, *args)
+    monkeypatch.setattr(ModelRunner, "_copy_layer", slow)
+    llm = LLM(parts, log=False, kv_offloading_size=0.05, **CASES["chunked_prefill"][0])
+    assert two_turns(llm, [turns[0], turns[1][:1]], False)[1] == reference[:1]
+    m = llm.get_metrics()
+    assert m["kv_offload_blocks_loaded"] > 0 and m["kv_offload_blocks_stored"] > 0
+    assert m["kv_offload_wait_time"] > 0                      # the forward did wait on the copy thread
     check_clean(llm)
 
 def test_tier_off_unchanged(parts, turns):
