@@ -149,7 +149,8 @@ def _vllm_metrics(x, s):
 # %% ../nbs/10a_metrics.ipynb #ddf4475e
 _OFFLOAD_KNOWN = {"external_prefix_cache_queries", "external_prefix_cache_hits", "kv_offload_usage",
                   "kv_offload_evictions", "kv_offload_stores_skipped", "kv_offload_bytes_stored",
-                  "kv_offload_bytes_loaded", "kv_offload_store_time", "kv_offload_load_time"}
+                  "kv_offload_bytes_loaded", "kv_offload_store_time", "kv_offload_load_time",
+                  "kv_offload_wait_time"}
 _DIRECTIONS = (("GPU_to_CPU", "stored", "store"), ("CPU_to_GPU", "loaded", "load"))   # vLLM's transfer_type
 
 def _offload_metrics(x, m):
@@ -168,6 +169,8 @@ def _offload_metrics(x, m):
     x.counter("vllm:kv_offload_block_eviction", "Blocks evicted from the CPU tier.", m["kv_offload_evictions"])
     x.counter("vllm:kv_offload_stores_skipped", "Blocks not stored: every tier slot was being read.",
               m["kv_offload_stores_skipped"])
+    x.counter("pagednb:kv_offload_wait_seconds", "Seconds the forward waited for the tier's copies (the part of "
+              "kv_offload_total_time that the overlap did not hide).", m["kv_offload_wait_time"])
 
 # %% ../nbs/10a_metrics.ipynb #f4648665
 def _pagednb_metrics(x, s):
