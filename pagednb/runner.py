@@ -413,7 +413,7 @@ def _timed_copy(self: ModelRunner, src_kv, dst_kv, src, dst, layer, kind):
     if self.device.type == "cuda": torch.cuda.current_stream(self.device).synchronize()
     self.offload_counts[f"{kind}_time"] += time.perf_counter() - t0
 
-_DONE = dict(store="stored", load="loaded")
+_DONE = dict(store="stored", load="loaded", disk_load="disk_loaded")
 
 @patch
 def _count_copies(self: ModelRunner, jobs):
@@ -427,13 +427,31 @@ def _count_copies(self: ModelRunner, jobs):
 @patch
 @torch.inference_mode()
 def _run_copies(self: ModelRunner, t, done=None):
-    "Layer by layer, `t`'s stores (pool to host), then its loads (host to pool); `done(layer)` after each layer."
+    "Spills to disk, then layer by layer `t`'s stores, loads and loads from disk; `done(layer)` after each layer."
+    self._spill(t.spills)
     pairs = ((t.stores, self.kv_cache, self.host_kv, "store"), (t.loads, self.host_kv, self.kv_cache, "load"))
-    jobs = [(_last_per_target(p), src, dst, kind) for p, src, dst, kind in pairs if p]
+    jobs = [(_last_per_target(p), src, dst, kind) for p, src, dst, kind in pairs if p] + self._disk_job(t.disk_loads)
     self._count_copies(jobs)
     for layer in range(self.kv_cache.shape[1]):
         for (s, d), src, dst, kind in jobs: self._timed_copy(src, dst, s, d, layer, kind)
         if done is not None: done(layer)
+
+@patch
+def _spill(self: ModelRunner, spills):
+    "Write each `(slot, hash)` that the tier evicted to the disk tier, before this step's stores reuse the slots."
+    if not spills: return
+    t0 = time.perf_counter()
+    for slot, h in spills: self.disk.write(h, self.host_kv[:, :, slot].contiguous().view(torch.uint8).numpy().tobytes())
+    self.offload_counts["disk_store_time"] += time.perf_counter() - t0
+
+@patch
+def _disk_job(self: ModelRunner, loads) -> list:
+    "Loads from disk as one more copy job: their checked bytes as a `[2, layers, n, ...]` source."
+    if not loads: return []
+    raw = bytearray(b"".join(p for p, _ in loads))
+    blocks = torch.frombuffer(raw, dtype=torch.uint8).view(self.kv_dtype).view(len(loads), *self.host_kv[:, :, 0].shape)
+    src, dst = torch.arange(len(loads)), torch.tensor([b for _, b in loads])
+    return [((src, dst), blocks.movedim(0, 2), self.kv_cache, "disk_load")]
 
 @patch
 def transfer(self: ModelRunner, t):
@@ -528,12 +546,15 @@ def _finish_copies(self: ModelRunner):
 
 # %% ../nbs/06_runner.ipynb #7d6cf6da
 @patch
-def enable_offload(self: ModelRunner, num_blocks: int):
+def enable_offload(self: ModelRunner, num_blocks: int, disk=None):
     "A host buffer of `num_blocks` slots shaped like the pool's blocks (all layers' K and V), and its copy thread."
     shape = self.kv_cache.shape[:2] + (num_blocks,) + self.kv_cache.shape[3:]
     self.host_kv = torch.zeros(shape, dtype=self.kv_dtype, pin_memory=self.device.type == "cuda")
     self.offload_counts = dict(blocks_stored=0, blocks_loaded=0, bytes_stored=0, bytes_loaded=0,
                                store_time=0.0, load_time=0.0, wait_time=0.0)
+    if disk is not None: self.offload_counts |= dict(blocks_disk_loaded=0, bytes_disk_loaded=0, disk_load_time=0.0,
+                                                     disk_store_time=0.0)
+    self.disk = disk
     self.overlap_copies, self.copier = True, CopyThread(self.device)      # False: every copy before the forward
 
 # %% ../nbs/06_runner.ipynb #e845d246

@@ -1,6 +1,6 @@
 """The second KV tier (`kv_offloading_size`): token-equal to Hugging Face when prefixes come back from the tier, hit
 counts worked by hand, no leaked pool or tier blocks, the tier never over its size, and clear errors for bad knobs."""
-import math, time
+import math, os, time
 import pytest, torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 from pagednb.block_manager import Sequence, InvalidBlockError
@@ -90,6 +90,30 @@ def test_slow_copies_waited_for(parts, turns, reference, monkeypatch):
     m = llm.get_metrics()
     assert m["kv_offload_blocks_loaded"] > 0 and m["kv_offload_blocks_stored"] > 0
     assert m["kv_offload_wait_time"] > 0                      # the forward did wait on the copy thread
+    check_clean(llm)
+
+def test_greedy_matches_hf_from_disk(parts, turns, reference, tmp_path):
+    "A host tier of 2 blocks, a disk tier behind it: prefixes come back from disk; corrupted or deleted files are misses."
+    llm = LLM(parts, log=False, kv_offloading_size=0.0015, kv_offloading_disk_dir=str(tmp_path / "kv"),
+              kv_offloading_disk_size=0.05, **CASES["chunked_prefill"][0])
+    sp = SamplingParams(temperature=0, max_tokens=MAX_NEW)
+    gen = lambda p: llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids
+    for p in turns[0]: gen(p)
+    folder = llm.engine.block_manager.disk.folder
+    assert gen(turns[1][0]) == reference[0]                                   # from intact files
+    m = llm.get_metrics()
+    assert m["kv_offload_disk_hits"] > 0 and m["kv_offload_blocks_disk_loaded"] == m["kv_offload_disk_hits"]
+    for f in os.listdir(folder):                                              # one byte changed in each file
+        with open(os.path.join(folder, f), "r+b") as fh:
+            fh.seek(-1, os.SEEK_END)
+            last = fh.read(1)[0]
+            fh.seek(-1, os.SEEK_END)
+            fh.write(bytes([last ^ 0xFF]))
+    assert gen(turns[1][1]) == reference[1]
+    for f in os.listdir(folder): os.remove(os.path.join(folder, f))
+    assert gen(turns[1][2]) == reference[2] and gen(turns[1][3]) == reference[3]
+    m = llm.get_metrics()
+    assert m["kv_offload_disk_corrupt"] > 0 and m["kv_offload_disk_missing"] > 0, m
     check_clean(llm)
 
 def test_tier_off_unchanged(parts, turns):
@@ -193,6 +217,22 @@ def test_needs_prefix_caching_and_room(parts):
             speculative_config=dict(method="draft_model", model="self", num_layers=2, num_speculative_tokens=2))
     with pytest.raises(ValueError, match="holds no KV block"):
         LLM(parts, log=False, kv_offloading_size=1e-6, num_gpu_blocks_override=24, max_model_len=256)
+
+@pytest.mark.parametrize("knobs, match", [
+    (dict(kv_offloading_disk_dir="kv", kv_offloading_disk_size=-1), "kv_offloading_disk_size=-1 is invalid"),
+    (dict(kv_offloading_disk_dir="kv", kv_offloading_disk_size=math.inf), "kv_offloading_disk_size=inf is invalid"),
+    (dict(kv_offloading_disk_size=1.0), "go together"),
+    (dict(kv_offloading_disk_dir=3, kv_offloading_disk_size=1.0), "kv_offloading_disk_dir=3 is invalid")])
+def test_bad_disk_knobs(knobs, match):
+    with pytest.raises(ValueError, match=match): EngineArgs(kv_offloading_size=0.05, **knobs)
+    with pytest.raises(ValueError, match="give kv_offloading_size too"):
+        EngineArgs(kv_offloading_disk_dir="kv", kv_offloading_disk_size=1.0)
+
+def test_disk_dir_not_creatable(parts, tmp_path):
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ValueError, match="kv_offloading_disk_dir=.*cannot hold block files"):
+        LLM(parts, log=False, kv_offloading_size=0.05, kv_offloading_disk_dir=str(tmp_path / "a_file" / "kv"),
+            kv_offloading_disk_size=0.01, num_gpu_blocks_override=24, max_model_len=256)
 
 def test_hybrid_refused():
     with pytest.raises(ValueError, match="sliding-window"): OffloadingBlockManager(8, windows=(None, 4))
