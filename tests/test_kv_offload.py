@@ -114,6 +114,9 @@ def test_greedy_matches_hf_from_disk(parts, turns, reference, tmp_path):
     assert gen(turns[1][2]) == reference[2] and gen(turns[1][3]) == reference[3]
     m = llm.get_metrics()
     assert m["kv_offload_disk_corrupt"] > 0 and m["kv_offload_disk_missing"] > 0, m
+    x = Exposition()
+    _offload_metrics(x, m)                                                    # what /metrics shows
+    assert f'pagednb:kv_offload_disk_corrupt_total {m["kv_offload_disk_corrupt"]}' in x.text().splitlines()
     check_clean(llm)
 
 def test_tier_off_unchanged(parts, turns):
