@@ -40,7 +40,7 @@ class Transfers:
     stores: list = field(default_factory=list)
     loads: list = field(default_factory=list)
     done: bool = False
-    spills: list = field(default_factory=list)          # `(slot, hash)` to disk, before the stores (a disk tier)
+    spills: list = field(default_factory=list)          # `("host" or "pool", index, hash)` to disk, before the stores
     disk_loads: list = field(default_factory=list)      # `(checked bytes, pool block)`, with the loads
 
 # %% ../nbs/03b_kv_offload.ipynb #ko-15
@@ -258,9 +258,9 @@ def _evict(self: OffloadingBlockManager) -> int:
 
 @patch
 def _spill(self: OffloadingBlockManager, h, slot):
-    "A block the tier evicts goes to disk, unless a store of this step fills its slot (not written yet)."
-    if any(s == slot for _, s in self.transfers.stores): return
-    if self.disk.add(h): self.transfers.spills.append((slot, h))
+    "A block the tier evicts goes to disk: from its slot, or from the pool block that a store of this step reads."
+    src = next((("pool", b) for b, s in reversed(self.transfers.stores) if s == slot), ("host", slot))
+    if self.disk.add(h): self.transfers.spills.append((*src, h))
 
 # %% ../nbs/03b_kv_offload.ipynb #ko-30
 @patch

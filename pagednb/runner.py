@@ -438,10 +438,12 @@ def _run_copies(self: ModelRunner, t, done=None):
 
 @patch
 def _spill(self: ModelRunner, spills):
-    "Write each `(slot, hash)` that the tier evicted to the disk tier, before this step's stores reuse the slots."
+    "Write each block that the tier evicted to the disk tier (from its slot, or from the pool block a store reads)."
     if not spills: return
     t0 = time.perf_counter()
-    for slot, h in spills: self.disk.write(h, self.host_kv[:, :, slot].contiguous().view(torch.uint8).numpy().tobytes())
+    for where, i, h in spills:
+        kv = (self.host_kv if where == "host" else self.kv_cache)[:, :, i]
+        self.disk.write(h, kv.contiguous().cpu().view(torch.uint8).numpy().tobytes())
     self.offload_counts["disk_store_time"] += time.perf_counter() - t0
 
 @patch
