@@ -1,11 +1,11 @@
 """The second KV tier (`kv_offloading_size`): token-equal to Hugging Face when prefixes come back from the tier, hit
 counts worked by hand, no leaked pool or tier blocks, the tier never over its size, and clear errors for bad knobs."""
-import math, os, time
+import math, os, tempfile, time
 import pytest, torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 from pagednb.block_manager import Sequence, InvalidBlockError
 from pagednb.prefix_cache import compute_block_hashes
-from pagednb.kv_offload import OffloadingBlockManager, CPUOffloadTier, TierHit
+from pagednb.kv_offload import OffloadingBlockManager, CPUOffloadTier, TierHit, DiskTier, GiB
 from pagednb.engine import LLM
 from pagednb.sampling import SamplingParams
 from pagednb.model import load_model, resolve_model
@@ -176,10 +176,12 @@ def _prompt(family, nblocks):
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 4), st.booleans()), min_size=1, max_size=30),
-       st.integers(4, 9), st.integers(1, 6))
-def test_tier_property(ops, pool_blocks, tier_blocks):
-    bm = OffloadingBlockManager(pool_blocks, block_size=2, watermark=0, tier_blocks=tier_blocks)
-    pool, host, held = {}, {}, []
+       st.integers(4, 9), st.integers(1, 6), st.integers(0, 5))
+def test_tier_property(ops, pool_blocks, tier_blocks, disk_blocks):
+    "Random traffic; with `disk_blocks`, a disk tier too: files hold their hash's K/V, hits read only what was stored."
+    disk = DiskTier(tempfile.gettempdir(), disk_blocks*(32 + 256)/GiB, 32) if disk_blocks else None
+    bm = OffloadingBlockManager(pool_blocks, block_size=2, watermark=0, tier_blocks=tier_blocks, disk=disk)
+    pool, host, files, held = {}, {}, {}, []
     for i, (family, nblocks, hold) in enumerate(ops):
         seq = Sequence(i, _prompt(family, nblocks))
         hits = bm.get_computed_blocks(seq)
@@ -187,8 +189,12 @@ def test_tier_property(ops, pool_blocks, tier_blocks):
         if bm.can_allocate(seq, n, hits):
             bm.allocate(seq, n, hits)
             t = bm.take_transfers()
-            for blk, slot in t.stores: host[slot] = pool.get(blk)       # stores first, then loads
+            for where, i, h in t.spills:                               # spills to disk first, as the runner
+                files[h] = host[i] if where == "host" else pool.get(i)
+                disk.write(h, files[h] or b"")
+            for blk, slot in t.stores: host[slot] = pool.get(blk)       # stores, then loads
             for slot, blk in t.loads: pool[blk] = host[slot]
+            for payload, blk in t.disk_loads: pool[blk] = payload or None
             full = compute_block_hashes(seq, 2, seq.num_tokens//2)
             for j, blk in enumerate(seq.block_table[:len(hits)]): assert pool[blk] == full[j]   # read only loaded K/V
             for j in range(len(hits), len(full)): pool[seq.block_table[j]] = full[j]           # the forward writes
@@ -201,6 +207,7 @@ def test_tier_property(ops, pool_blocks, tier_blocks):
         assert len(bm.tier.slots) <= tier_blocks
         assert all(pool[b] == h for h, b in bm.hash_to_block.items())         # a cached block holds its hash's K/V
         assert all(host[s] == h for h, s in bm.tier.slots.items())            # and so does a tier slot
+        assert disk is None or all(files[h] == h for h in disk.index)          # and a file on disk
 
 # --- bad input
 
@@ -246,4 +253,6 @@ def test_cli_flags():
     ns = p.parse_args(["--kv-offloading-size", "2.5", "--kv-offloading-backend", "native"])
     knobs = from_cli_args(ns)
     assert knobs["kv_offloading_size"] == 2.5 and knobs["kv_offloading_backend"] == "native"
+    knobs = from_cli_args(p.parse_args(["--kv-offloading-disk-dir", "kv", "--kv-offloading-disk-size", "2"]))
+    assert (knobs["kv_offloading_disk_dir"], knobs["kv_offloading_disk_size"]) == ("kv", 2.0)
     with pytest.raises(SystemExit): p.parse_args(["--kv-offloading-backend", "lmcache"])
