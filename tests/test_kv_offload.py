@@ -1,6 +1,6 @@
 """The second KV tier (`kv_offloading_size`): token-equal to Hugging Face when prefixes come back from the tier, hit
 counts worked by hand, no leaked pool or tier blocks, the tier never over its size, and clear errors for bad knobs."""
-import math, os, tempfile, time
+import json, math, os, tempfile, time
 import pytest, torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 from pagednb.block_manager import Sequence, InvalidBlockError
@@ -93,8 +93,8 @@ def test_slow_copies_waited_for(parts, turns, reference, monkeypatch):
     check_clean(llm)
 
 def test_greedy_matches_hf_from_disk(parts, turns, reference, tmp_path):
-    "A host tier of 2 blocks, a disk tier behind it: prefixes come back from disk; corrupted or deleted files are misses."
-    llm = LLM(parts, log=False, kv_offloading_size=0.0015, kv_offloading_disk_dir=str(tmp_path / "kv"),
+    "A host tier of 2 blocks, a disk tier behind it: prefixes come back from disk; bad or deleted files are misses."
+    llm = LLM(parts, log=False, trace=True, kv_offloading_size=0.0015, kv_offloading_disk_dir=str(tmp_path / "kv"),
               kv_offloading_disk_size=0.05, **CASES["chunked_prefill"][0])
     sp = SamplingParams(temperature=0, max_tokens=MAX_NEW)
     gen = lambda p: llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids
@@ -117,6 +117,8 @@ def test_greedy_matches_hf_from_disk(parts, turns, reference, tmp_path):
     x = Exposition()
     _offload_metrics(x, m)                                                    # what /metrics shows
     assert f'pagednb:kv_offload_disk_corrupt_total {m["kv_offload_disk_corrupt"]}' in x.text().splitlines()
+    offs = [st["offload"] for st in llm.trace.steps if "offload" in st]                   # trace events, JSON
+    assert any(o.get("spills") for o in offs) and any(o.get("disk_loads") for o in offs) and json.dumps(offs)
     check_clean(llm)
 
 def test_tier_off_unchanged(parts, turns):
