@@ -163,7 +163,7 @@ def _kv_line(self: LLMEngine, num_blocks, block_bytes):
 # %% ../nbs/06b_engine.ipynb #50f72ad8
 @patch
 def _block_manager(self: LLMEngine, args, num_blocks, block_bytes, windows):
-    "The pool's books; with `kv_offloading_size`, a host tier behind the prefix cache (`03b_kv_offload`)."
+    "The pool's books; with `kv_offloading_size`, a host tier behind the prefix cache, and a disk tier behind it."
     if args.kv_offloading_size is None:
         return make_block_manager(num_blocks, args.block_size, args.enable_prefix_caching, windows=windows)
     if not args.enable_prefix_caching:
