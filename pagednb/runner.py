@@ -530,7 +530,8 @@ def _start_copies(self: ModelRunner, plan) -> LayerCopies | None:
     "The plan's tier copies: overlapped with the forward; run now when asked, beside copy-on-write or graphs."
     t = getattr(plan, "offload", None)
     if t is None or t.done: return None
-    if (t.stores or t.loads) and self.overlap_copies and not plan.copies and self.graphs is None:
+    work = t.stores or t.loads or t.spills or t.disk_loads
+    if work and self.overlap_copies and not plan.copies and self.graphs is None:
         return self.transfer_async(t)
     t0 = time.perf_counter()
     self.transfer(t)
