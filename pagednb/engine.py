@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 from .model import load_model, generation_defaults, NoCacheAttention
 from .block_manager import kv_slots
 from .prefix_cache import make_block_manager
-from .kv_offload import OffloadingBlockManager, tier_num_blocks
+from .kv_offload import OffloadingBlockManager, DiskTier, tier_num_blocks
 from .scheduler import Scheduler, Sequence, SequenceStatus
 from .sampling import SamplingParams, CompletionOutput, RequestOutput, RequestMetrics, sample
 from .sampling import process_logits, token_logprobs, RequestOutputKind
@@ -126,7 +126,7 @@ def _build(self: LLMEngine, args: EngineArgs):
     self.runner = ModelRunner(self.model, num_blocks, bs, args.attention_backend, groups=groups,
                               kv_cache_dtype=args.kv_cache_dtype, **self._kv_scales(args))
     self.offloading = isinstance(self.block_manager, OffloadingBlockManager)
-    if self.offloading: self.runner.enable_offload(self.block_manager.tier.num_blocks)
+    if self.offloading: self.runner.enable_offload(self.block_manager.tier.num_blocks, self.block_manager.disk)
     self.kv_line = self._kv_line(num_blocks, block_bytes)
     if args.log: print(self.kv_line, flush=True)
     give_back_memory()                                   # loading and packing leave freed heap pages behind
@@ -163,7 +163,7 @@ def _kv_line(self: LLMEngine, num_blocks, block_bytes):
 # %% ../nbs/06b_engine.ipynb #50f72ad8
 @patch
 def _block_manager(self: LLMEngine, args, num_blocks, block_bytes, windows):
-    "The pool's books; with `kv_offloading_size`, a host tier behind the prefix cache (`03b_kv_offload`)."
+    "The pool's books; with `kv_offloading_size`, a host tier behind the prefix cache, and a disk tier behind it."
     if args.kv_offloading_size is None:
         return make_block_manager(num_blocks, args.block_size, args.enable_prefix_caching, windows=windows)
     if not args.enable_prefix_caching:
@@ -173,7 +173,10 @@ def _block_manager(self: LLMEngine, args, num_blocks, block_bytes, windows):
         raise ValueError("kv_offloading_size does not load a draft model's KV cache yet: use speculative_config "
                          "method 'ngram', or leave kv_offloading_size unset")
     tier = tier_num_blocks(args.kv_offloading_size, block_bytes)
-    return OffloadingBlockManager(num_blocks, args.block_size, windows=windows, tier_blocks=tier)
+    layout = f"{self.kv_dtype} {block_bytes} bytes, {args.block_size} tokens a block"     # checked on every read
+    disk = args.kv_offloading_disk_dir and DiskTier(args.kv_offloading_disk_dir, args.kv_offloading_disk_size,
+                                                     block_bytes, layout)
+    return OffloadingBlockManager(num_blocks, args.block_size, windows=windows, tier_blocks=tier, disk=disk or None)
 
 # %% ../nbs/06b_engine.ipynb #478988fd
 @patch
@@ -782,10 +785,11 @@ def get_metrics(self: LLMEngine):
 def _offload_metrics(self: LLMEngine) -> dict:
     "The host tier's counters (`03b_kv_offload`): vLLM's external prefix-cache hits, blocks and bytes moved, time."
     s, c = self.block_manager.offload_stats, self.runner.offload_counts
+    disk = {"kv_offload_disk_" + k: v for k, v in s.get("disk", {}).items()}     # a disk tier behind it
     return dict(external_prefix_cache_queries=s["queries"], external_prefix_cache_hits=s["hits"],
                 kv_offload_num_blocks=s["num_blocks"], kv_offload_cached_blocks=s["num_cached_blocks"],
                 kv_offload_usage=s["usage"], kv_offload_evictions=s["evictions"],
-                kv_offload_stores_skipped=s["stores_skipped"], **{"kv_offload_" + k: v for k, v in c.items()})
+                kv_offload_stores_skipped=s["stores_skipped"], **{"kv_offload_" + k: v for k, v in c.items()}, **disk)
 
 # %% ../nbs/06b_engine.ipynb #ddf05795
 class LLM:

@@ -117,6 +117,24 @@ def _offloading_size(name, v):
     if ram and v*(1 << 30) > ram:
         raise ValueError(f"{name}={v!r} GiB is more than this machine's {ram/(1 << 30):.1f} GiB of RAM: give less")
 
+def _disk_dir(name, v):
+    "None (no disk tier), or a folder's path."
+    if v is not None and (not isinstance(v, (str, os.PathLike)) or not str(v)):
+        raise ValueError(f"{name}={v!r} is invalid: it must be a folder's path, or None for no disk tier")
+
+def _disk_size(name, v):
+    "None, or GiB of disk: a finite number > 0."
+    if v is not None and (not _number(v) or not math.isfinite(v) or v <= 0):
+        raise ValueError(f"{name}={v!r} is invalid: it must be a finite number of GiB > 0, or None for no disk tier")
+
+def _check_disk_tier(a):
+    "The disk tier's knobs go together, behind a host tier."
+    if (a.kv_offloading_disk_dir is None) != (a.kv_offloading_disk_size is None):
+        raise ValueError("kv_offloading_disk_dir and kv_offloading_disk_size go together (a folder and its GiB): "
+                         f"got {a.kv_offloading_disk_dir!r} and {a.kv_offloading_disk_size!r}")
+    if a.kv_offloading_disk_dir is not None and a.kv_offloading_size is None:
+        raise ValueError("kv_offloading_disk_dir keeps what the host tier evicts: give kv_offloading_size too")
+
 # %% ../nbs/05a_engine_args.ipynb #ea-seed
 def _seed(name, v):
     "A seed: any integer that fits in 64 bits."
@@ -195,6 +213,9 @@ _HELP = dict(
                         "instead of read from the checkpoint (or 1.0)",
     kv_offloading_size="GiB of host memory for a second KV tier that keeps the blocks the prefix cache evicts "
                        "(default: none)",
+    kv_offloading_disk_dir="a folder for a disk tier behind the host tier: one checked file per evicted block "
+                           "(pagednb only; default: none)",
+    kv_offloading_disk_size="GiB of block files in kv_offloading_disk_dir, least recently used first (pagednb only)",
     generation_config="sampling defaults: auto (the model's generation_config.json), vllm (none) or a folder",
     speculative_config=f"speculative decoding as JSON, e.g. '{_SPEC_EXAMPLE}'",
     prefix_caching_hash_algo="the hash that names a block in KV-cache events, as vLLM computes it: sha256 (of its "
@@ -239,6 +260,8 @@ class EngineArgs:
     kv_offloading_size: float | None = knob(None, _HELP["kv_offloading_size"], _offloading_size, type=float)
     kv_offloading_backend: str = knob("native", "the KV offloading backend (native: pagednb's host tier)",
                                       one_of(KV_OFFLOADING_BACKENDS), choices=KV_OFFLOADING_BACKENDS)
+    kv_offloading_disk_dir: str | None = knob(None, _HELP["kv_offloading_disk_dir"], _disk_dir)
+    kv_offloading_disk_size: float | None = knob(None, _HELP["kv_offloading_disk_size"], _disk_size, type=float)
     enable_chunked_prefill: bool = knob(True, "split long prompts across steps so that decodes keep running",
                                         action=ON_OFF)
     max_num_batched_tokens: int | None = knob(None, _HELP["max_num_batched_tokens"],
@@ -269,6 +292,7 @@ class EngineArgs:
     def __post_init__(self):
         "Check every knob, before any model is loaded or any memory taken."
         for f in fields(self): check_knob(f.name, getattr(self, f.name))
+        _check_disk_tier(self)
 
 # %% ../nbs/05a_engine_args.ipynb #ea-check-knob
 def check_knob(name, value):

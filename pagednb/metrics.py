@@ -149,7 +149,8 @@ def _vllm_metrics(x, s):
 # %% ../nbs/10a_metrics.ipynb #ddf4475e
 _OFFLOAD_KNOWN = {"external_prefix_cache_queries", "external_prefix_cache_hits", "kv_offload_usage",
                   "kv_offload_evictions", "kv_offload_stores_skipped", "kv_offload_bytes_stored",
-                  "kv_offload_bytes_loaded", "kv_offload_store_time", "kv_offload_load_time"}
+                  "kv_offload_bytes_loaded", "kv_offload_store_time", "kv_offload_load_time",
+                  "kv_offload_wait_time"}
 _DIRECTIONS = (("GPU_to_CPU", "stored", "store"), ("CPU_to_GPU", "loaded", "load"))   # vLLM's transfer_type
 
 def _offload_metrics(x, m):
@@ -168,6 +169,25 @@ def _offload_metrics(x, m):
     x.counter("vllm:kv_offload_block_eviction", "Blocks evicted from the CPU tier.", m["kv_offload_evictions"])
     x.counter("vllm:kv_offload_stores_skipped", "Blocks not stored: every tier slot was being read.",
               m["kv_offload_stores_skipped"])
+    x.counter("pagednb:kv_offload_wait_seconds", "Seconds the forward waited for the tier's copies (the part of "
+              "kv_offload_total_time that the overlap did not hide).", m["kv_offload_wait_time"])
+    if "kv_offload_disk_hits" in m: _disk_metrics(x, m)                # a disk tier behind the host tier
+
+# %% ../nbs/10a_metrics.ipynb #disk-metrics
+_DISK_COUNTERS = (("hits", "Blocks loaded from the disk tier."), ("lookups", "Block files read and checked."),
+                  ("corrupt", "Block files with a wrong checksum or layout: misses, their tokens recomputed."),
+                  ("missing", "Block files gone: misses, their tokens recomputed."),
+                  ("evictions", "Block files removed past the disk tier's size."),
+                  ("blocks_written", "Block files written."), ("bytes_written", "K/V bytes written to block files."),
+                  ("bytes_read", "K/V bytes read back from block files and checked."))
+
+def _disk_metrics(x, m):
+    "pagednb's disk tier behind the host tier, which vLLM's native offloading does not have."
+    for k, help in _DISK_COUNTERS: x.counter(f"pagednb:kv_offload_disk_{k}", help, m[f"kv_offload_disk_{k}"])
+    usage = m["kv_offload_disk_num_cached_blocks"]/m["kv_offload_disk_num_blocks"]
+    x.gauge("pagednb:kv_offload_disk_usage_perc", "Disk tier usage. 1 means 100 percent usage.", usage)
+    x.counter("pagednb:kv_offload_disk_time", "Seconds writing block files and loading them into the pool.",
+              m["kv_offload_disk_store_time"] + m["kv_offload_disk_load_time"])
 
 # %% ../nbs/10a_metrics.ipynb #f4648665
 def _pagednb_metrics(x, s):
@@ -183,7 +203,8 @@ def _pagednb_metrics(x, s):
     x.gauge("pagednb:kv_blocks_invariants_ok", "1 if the block manager's invariants hold.", int(s["ok"]))
     if "spec_num_draft_tokens" in m: _spec_metrics(x, m)
     for k, v in m.items():                     # anything else the engine reports, under its own name
-        if k not in _KNOWN | _OFFLOAD_KNOWN and not k.startswith("spec_") and isinstance(v, (int, float)):
+        own = k in _KNOWN | _OFFLOAD_KNOWN or k.startswith(("spec_", "kv_offload_disk_"))    # shown above already
+        if not own and isinstance(v, (int, float)):
             x.gauge(f"pagednb:engine_{k}", f"engine.get_metrics()['{k}']", v)
 
 # %% ../nbs/10a_metrics.ipynb #f4648665-1

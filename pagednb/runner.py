@@ -7,12 +7,12 @@ Docs: https://pagednb.github.io/pagednb/runner.html.md"""
 # %% auto #0
 __all__ = ['K_SCALE_CONSTANT', 'V_SCALE_CONSTANT', 'GRAPH_BATCH_SIZES', 'GiB', 'StepInputs', 'attention_path', 'cpu_kernel_order',
            'block_table_tensor', 'token_slots', 'BlockTables', 'decode_inputs', 'layer_views', 'measured_kv_scale',
-           'PagedAttentionBackend', 'KVPrefetcher', 'ModelRunner', 'graph_bucket', 'StaticDecodeInputs', 'DecodeGraphs',
-           'record_cuda_graph', 'model_bytes', 'GPUMemory', 'gpu_kv_budget', 'profile_gpu_memory', 'kv_budget',
-           'num_kv_blocks', 'kv_line', 'grouped_kv_line']
+           'PagedAttentionBackend', 'KVPrefetcher', 'ModelRunner', 'LayerCopies', 'CopyThread', 'graph_bucket',
+           'StaticDecodeInputs', 'DecodeGraphs', 'record_cuda_graph', 'model_bytes', 'GPUMemory', 'gpu_kv_budget',
+           'profile_gpu_memory', 'kv_budget', 'num_kv_blocks', 'kv_line', 'grouped_kv_line']
 
 # %% ../nbs/06_runner.ipynb #ed8c50dc
-import functools, itertools, math, os, threading, time, weakref
+import contextlib, functools, itertools, math, os, queue, threading, time, weakref
 from dataclasses import dataclass
 from types import SimpleNamespace
 import torch
@@ -183,6 +183,7 @@ class PagedAttentionBackend:
         self.measuring = set(range(len(specs))) if calculate_kv_scales else set()   # layers to measure, once
         self.inputs = self.path = self._step = None
         self.plans, self.kernels = {}, {}
+        self.pending = None                        # a step's tier copies still running (`LayerCopies`)
 
 # %% ../nbs/06_runner.ipynb #1e1c5268
 @patch
@@ -215,6 +216,7 @@ def _measure(self: PagedAttentionBackend, layer, k, v):
 @patch
 def __call__(self: PagedAttentionBackend, layer, q, k, v):
     "Store layer `layer`'s K/V at its group's slots, then attend through that group's block tables."
+    if self.pending is not None: self.pending.wait(layer)     # the tier's copies of this layer first (below)
     x, (kc, vc, g, spec, kw) = self.inputs, self.layers[layer]
     if self._step is not x: self._prepare(x, q, kc)
     if g not in self.plans and g not in self.kernels: self._prepare_group(x, g, kc, spec)
@@ -372,26 +374,20 @@ def prepare_inputs(self: ModelRunner, plan) -> StepInputs:
 @patch
 @torch.inference_mode()
 def execute(self: ModelRunner, plan):
-    "The tier's copies, copy-on-write copies, then the forward; every scheduled token's hidden state, `[T, hidden]`."
+    "The tier's copies (overlapped, layer by layer), copy-on-write copies, then the forward; `[T, hidden]`."
     off = getattr(plan, "offload", None)                  # a second KV tier's stores and loads (`03b_kv_offload`)
-    if off is not None and not off.done: self.transfer(off)
-    for src, dst in plan.copies:
-        self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
-    x = self.prepare_inputs(plan)
-    tables = [x.group(g)[0] for g in range(len(self.groups))]
-    if self.prefetch: self.prefetch.need(max(int(t.max()) for t in tables))
-    self.attn.inputs = self.last_inputs = x
-    hidden = self.graphs.run(x) if self.graphs else None
-    return self.model(x.input_ids, x.positions, self.attn) if hidden is None else hidden
-
-# %% ../nbs/06_runner.ipynb #7d6cf6da
-@patch
-def enable_offload(self: ModelRunner, num_blocks: int):
-    "A host buffer of `num_blocks` slots shaped like the pool's blocks (all layers' K and V): the second KV tier."
-    shape = self.kv_cache.shape[:2] + (num_blocks,) + self.kv_cache.shape[3:]
-    self.host_kv = torch.zeros(shape, dtype=self.kv_dtype, pin_memory=self.device.type == "cuda")
-    self.offload_counts = dict(blocks_stored=0, blocks_loaded=0, bytes_stored=0, bytes_loaded=0,
-                               store_time=0.0, load_time=0.0)
+    self.attn.pending = self._start_copies(plan) if off is not None else None
+    try:
+        for src, dst in plan.copies:
+            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+        x = self.prepare_inputs(plan)
+        tables = [x.group(g)[0] for g in range(len(self.groups))]
+        if self.prefetch: self.prefetch.need(max(int(t.max()) for t in tables))
+        self.attn.inputs = self.last_inputs = x
+        hidden = self.graphs.run(x) if self.graphs else None
+        return self.model(x.input_ids, x.positions, self.attn) if hidden is None else hidden
+    finally:
+        if self.attn.pending is not None: self._finish_copies()
 
 # %% ../nbs/06_runner.ipynb #d338afe0
 def _last_per_target(pairs) -> tuple:
@@ -400,25 +396,169 @@ def _last_per_target(pairs) -> tuple:
     return torch.tensor(list(last.values())), torch.tensor(list(last.keys()))
 
 @patch
-def _copy_blocks(self: ModelRunner, pairs, src_kv, dst_kv, kind):
-    "Copy whole blocks from `src_kv` to `dst_kv` (pool or tier), counting blocks, bytes and seconds as `kind`."
-    if not pairs: return
-    t0, (src, dst) = time.perf_counter(), _last_per_target(pairs)
-    dst_kv[:, :, dst.to(dst_kv.device)] = src_kv[:, :, src.to(src_kv.device)].to(dst_kv.device)
-    if self.device.type == "cuda": torch.cuda.synchronize(self.device)
-    c, block = self.offload_counts, self.host_kv[:, :, 0]
-    c[f"blocks_{kind}"] += len(dst)
-    c[f"bytes_{kind}"] += len(dst)*block.numel()*block.element_size()
-    c["store_time" if kind == "stored" else "load_time"] += time.perf_counter() - t0
+def _copy_layer(self: ModelRunner, src_kv, dst_kv, src, dst, layer):
+    "Layer `layer`'s K and V of blocks `src` into blocks `dst`: one indexed copy, or a DMA copy a block to a GPU."
+    if src_kv.device == dst_kv.device:
+        dst_kv[:, layer, dst] = src_kv[:, layer, src]
+        return
+    for s, d in zip(src.tolist(), dst.tolist()):           # pinned host memory <-> GPU, asynchronous
+        dst_kv[:, layer, d].copy_(src_kv[:, layer, s], non_blocking=True)
 
 # %% ../nbs/06_runner.ipynb #2a3612f2
 @patch
+def _timed_copy(self: ModelRunner, src_kv, dst_kv, src, dst, layer, kind):
+    "`_copy_layer`, its seconds counted as `kind` (store or load); on a GPU, waited for on the copying thread."
+    t0 = time.perf_counter()
+    self._copy_layer(src_kv, dst_kv, src, dst, layer)
+    if self.device.type == "cuda": torch.cuda.current_stream(self.device).synchronize()
+    self.offload_counts[f"{kind}_time"] += time.perf_counter() - t0
+
+_DONE = dict(store="stored", load="loaded", disk_load="disk_loaded")
+
+@patch
+def _count_copies(self: ModelRunner, jobs):
+    "Blocks and bytes of a step's stores and loads."
+    c, block = self.offload_counts, self.host_kv[:, :, 0]
+    for (_, dst), *_, kind in jobs:
+        c[f"blocks_{_DONE[kind]}"] += len(dst)
+        c[f"bytes_{_DONE[kind]}"] += len(dst)*block.numel()*block.element_size()
+
+# %% ../nbs/06_runner.ipynb #2a3612f2-run
+@patch
 @torch.inference_mode()
+def _run_copies(self: ModelRunner, t, done=None):
+    "Spills to disk, then layer by layer `t`'s stores, loads and loads from disk; `done(layer)` after each layer."
+    self._spill(t.spills)
+    pairs = ((t.stores, self.kv_cache, self.host_kv, "store"), (t.loads, self.host_kv, self.kv_cache, "load"))
+    jobs = [(_last_per_target(p), src, dst, kind) for p, src, dst, kind in pairs if p] + self._disk_job(t.disk_loads)
+    self._count_copies(jobs)
+    for layer in range(self.kv_cache.shape[1]):
+        for (s, d), src, dst, kind in jobs: self._timed_copy(src, dst, s, d, layer, kind)
+        if done is not None: done(layer)
+
+@patch
+def _spill(self: ModelRunner, spills):
+    "Write each block that the tier evicted to the disk tier (from its slot, or from the pool block a store reads)."
+    if not spills: return
+    t0 = time.perf_counter()
+    for where, i, h in spills:
+        kv = (self.host_kv if where == "host" else self.kv_cache)[:, :, i]
+        self.disk.write(h, kv.contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    self.offload_counts["disk_store_time"] += time.perf_counter() - t0
+
+@patch
+def _disk_job(self: ModelRunner, loads) -> list:
+    "Loads from disk as one more copy job: their checked bytes as a `[2, layers, n, ...]` source."
+    if not loads: return []
+    raw = bytearray(b"".join(p for p, _ in loads))
+    blocks = torch.frombuffer(raw, dtype=torch.uint8).view(self.kv_dtype).view(len(loads), *self.host_kv[:, :, 0].shape)
+    src, dst = torch.arange(len(loads)), torch.tensor([b for _, b in loads])
+    return [((src, dst), blocks.movedim(0, 2), self.kv_cache, "disk_load")]
+
+@patch
 def transfer(self: ModelRunner, t):
-    "A step's copies with the tier: stores (pool to host), then loads (host to pool); once per step."
-    self._copy_blocks(t.stores, self.kv_cache, self.host_kv, "stored")
-    self._copy_blocks(t.loads, self.host_kv, self.kv_cache, "loaded")
+    "A step's copies with the tier, all of them now: the synchronous way, before the forward."
+    self._run_copies(t)
     t.done = True
+
+# %% ../nbs/06_runner.ipynb #layer-copies
+class LayerCopies:
+    "A step's tier copies on the copy thread, layer by layer: `wait(layer)` returns once that layer's are done."
+    def __init__(self, t, num_layers, device):
+        self.t, self.ready = t, [threading.Event() for _ in range(num_layers)]
+        self.error, self.wait_time = None, 0.0
+        self.after = torch.cuda.Event() if device.type == "cuda" else None     # the work queued before the copies
+        if self.after is not None: self.after.record()
+
+# %% ../nbs/06_runner.ipynb #layer-copies-wait
+@patch
+def done(self: LayerCopies, layer):
+    "The copy thread finished layer `layer`'s stores and loads."
+    self.ready[layer].set()
+
+@patch
+def fail(self: LayerCopies, e):
+    "The copy thread failed: every waiter wakes, to raise."
+    self.error = e
+    for ev in self.ready: ev.set()
+
+@patch
+def wait(self: LayerCopies, layer):
+    "Block until layer `layer`'s copies are done, timing the wait: the forward stalled on the tier."
+    ev = self.ready[layer]
+    if not ev.is_set():
+        t0 = time.perf_counter()
+        ev.wait()
+        self.wait_time += time.perf_counter() - t0
+    if self.error is not None: raise RuntimeError("the KV tier's copy thread failed") from self.error
+
+# %% ../nbs/06_runner.ipynb #copy-thread
+def _copy_loop(jobs, stream):
+    "The copy thread: each queued job in turn (on its own CUDA stream beside a GPU), until a None."
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        while (job := jobs.get()) is not None:
+            job()
+            del job
+
+class CopyThread:
+    "One long-lived thread for the tier's copies; torch copies release the GIL, so the forward runs meanwhile."
+    def __init__(self, device):
+        self.jobs, self.stream = queue.SimpleQueue(), torch.cuda.Stream(device) if device.type == "cuda" else None
+        args = (self.jobs, self.stream)
+        self.thread = threading.Thread(target=_copy_loop, args=args, name="pagednb-kv-copy", daemon=True)
+        self.thread.start()
+        weakref.finalize(self, self.jobs.put, None)              # a dropped runner ends its thread
+
+# %% ../nbs/06_runner.ipynb #transfer-async
+def _copy_job(runner, copies):
+    "On the copy thread: the copies of `copies.t`, each layer marked done as it ends; an error wakes the waiters."
+    try:
+        if copies.after is not None: torch.cuda.current_stream().wait_event(copies.after)
+        runner._run_copies(copies.t, copies.done)
+    except BaseException as e: copies.fail(e)
+
+@patch
+def transfer_async(self: ModelRunner, t) -> LayerCopies:
+    "A step's copies queued on the copy thread, layer by layer; the forward waits for each layer's (`wait`)."
+    copies = LayerCopies(t, self.kv_cache.shape[1], self.device)
+    self.copier.jobs.put(functools.partial(_copy_job, self, copies))
+    return copies
+
+# %% ../nbs/06_runner.ipynb #start-copies
+@patch
+def _start_copies(self: ModelRunner, plan) -> LayerCopies | None:
+    "The plan's tier copies: overlapped with the forward; run now when asked, beside copy-on-write or graphs."
+    t = getattr(plan, "offload", None)
+    if t is None or t.done: return None
+    work = t.stores or t.loads or t.spills or t.disk_loads
+    if work and self.overlap_copies and not plan.copies and self.graphs is None:
+        return self.transfer_async(t)
+    t0 = time.perf_counter()
+    self.transfer(t)
+    self.offload_counts["wait_time"] += time.perf_counter() - t0        # the forward waited for all of it
+    return None
+
+@patch
+def _finish_copies(self: ModelRunner):
+    "After the forward: the step's copies are all done (or their error raised); the forward's wait counted."
+    copies, self.attn.pending = self.attn.pending, None
+    if copies is None: return
+    try: copies.wait(len(copies.ready) - 1)
+    finally: self.offload_counts["wait_time"] += copies.wait_time
+    copies.t.done = True
+
+# %% ../nbs/06_runner.ipynb #7d6cf6da
+@patch
+def enable_offload(self: ModelRunner, num_blocks: int, disk=None):
+    "A host buffer of `num_blocks` slots shaped like the pool's blocks (all layers' K and V), and its copy thread."
+    shape = self.kv_cache.shape[:2] + (num_blocks,) + self.kv_cache.shape[3:]
+    self.host_kv = torch.zeros(shape, dtype=self.kv_dtype, pin_memory=self.device.type == "cuda")
+    self.offload_counts = dict(blocks_stored=0, blocks_loaded=0, bytes_stored=0, bytes_loaded=0,
+                               store_time=0.0, load_time=0.0, wait_time=0.0)
+    if disk is not None: self.offload_counts |= dict(blocks_disk_loaded=0, bytes_disk_loaded=0, disk_load_time=0.0,
+                                                     disk_store_time=0.0)
+    self.disk = disk
+    self.overlap_copies, self.copier = True, CopyThread(self.device)      # False: every copy before the forward
 
 # %% ../nbs/06_runner.ipynb #e845d246
 @patch

@@ -215,8 +215,10 @@ def record(self: Trace, engine, plan, sampled):
     wf = getattr(plan, "window_freed", None)
     if wf: self.steps[-1]["window_freed"] = _ids_dict(wf)      # blocks a sliding window left (`03a_hybrid_kv`)
     off = getattr(plan, "offload", None)                       # a host tier's copies (`03b_kv_offload`)
-    if off is not None and (off.stores or off.loads):
+    if off is not None and (off.stores or off.loads or off.spills or off.disk_loads):
         self.steps[-1]["offload"] = dict(stores=[list(p) for p in off.stores], loads=[list(p) for p in off.loads])
+        disk = dict(spills=[[where, i] for where, i, _ in off.spills], disk_loads=[b for _, b in off.disk_loads])
+        if off.spills or off.disk_loads: self.steps[-1]["offload"] |= disk     # a disk tier: ("host"/"pool", i), blocks
     for toks in self.steps[-1]["sampled"].values():
         for t in toks:
             self._piece(t)

@@ -1,11 +1,11 @@
 """The second KV tier (`kv_offloading_size`): token-equal to Hugging Face when prefixes come back from the tier, hit
 counts worked by hand, no leaked pool or tier blocks, the tier never over its size, and clear errors for bad knobs."""
-import math
+import json, math, os, tempfile, time
 import pytest, torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 from pagednb.block_manager import Sequence, InvalidBlockError
 from pagednb.prefix_cache import compute_block_hashes
-from pagednb.kv_offload import OffloadingBlockManager, CPUOffloadTier, TierHit
+from pagednb.kv_offload import OffloadingBlockManager, CPUOffloadTier, TierHit, DiskTier, GiB
 from pagednb.engine import LLM
 from pagednb.sampling import SamplingParams
 from pagednb.model import load_model, resolve_model
@@ -77,6 +77,50 @@ def test_greedy_matches_hf_with_tier(case, parts, turns, reference):
     assert f'vllm:external_prefix_cache_hits_total {m["external_prefix_cache_hits"]}' in x.text().splitlines()
     check_clean(llm)
 
+def test_slow_copies_waited_for(parts, turns, reference, monkeypatch):
+    "Copies slowed down on purpose, on the copy thread: the forward waits for each layer's, and the tokens stay HF's."
+    from pagednb.runner import ModelRunner
+    copy = ModelRunner._copy_layer
+    def slow(self, *args):
+        time.sleep(0.002)                                     # late: a forward that did not wait would read garbage
+        copy(self, *args)
+    monkeypatch.setattr(ModelRunner, "_copy_layer", slow)
+    llm = LLM(parts, log=False, kv_offloading_size=0.05, **CASES["chunked_prefill"][0])
+    assert two_turns(llm, [turns[0], turns[1][:1]], False)[1] == reference[:1]
+    m = llm.get_metrics()
+    assert m["kv_offload_blocks_loaded"] > 0 and m["kv_offload_blocks_stored"] > 0
+    assert m["kv_offload_wait_time"] > 0                      # the forward did wait on the copy thread
+    check_clean(llm)
+
+def test_greedy_matches_hf_from_disk(parts, turns, reference, tmp_path):
+    "A host tier of 2 blocks, a disk tier behind it: prefixes come back from disk; bad or deleted files are misses."
+    llm = LLM(parts, log=False, trace=True, kv_offloading_size=0.0015, kv_offloading_disk_dir=str(tmp_path / "kv"),
+              kv_offloading_disk_size=0.05, **CASES["chunked_prefill"][0])
+    sp = SamplingParams(temperature=0, max_tokens=MAX_NEW)
+    gen = lambda p: llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids
+    for p in turns[0]: gen(p)
+    folder = llm.engine.block_manager.disk.folder
+    assert gen(turns[1][0]) == reference[0]                                   # from intact files
+    m = llm.get_metrics()
+    assert m["kv_offload_disk_hits"] > 0 and m["kv_offload_blocks_disk_loaded"] == m["kv_offload_disk_hits"]
+    for f in os.listdir(folder):                                              # one byte changed in each file
+        with open(os.path.join(folder, f), "r+b") as fh:
+            fh.seek(-1, os.SEEK_END)
+            last = fh.read(1)[0]
+            fh.seek(-1, os.SEEK_END)
+            fh.write(bytes([last ^ 0xFF]))
+    assert gen(turns[1][1]) == reference[1]
+    for f in os.listdir(folder): os.remove(os.path.join(folder, f))
+    assert gen(turns[1][2]) == reference[2] and gen(turns[1][3]) == reference[3]
+    m = llm.get_metrics()
+    assert m["kv_offload_disk_corrupt"] > 0 and m["kv_offload_disk_missing"] > 0, m
+    x = Exposition()
+    _offload_metrics(x, m)                                                    # what /metrics shows
+    assert f'pagednb:kv_offload_disk_corrupt_total {m["kv_offload_disk_corrupt"]}' in x.text().splitlines()
+    offs = [st["offload"] for st in llm.trace.steps if "offload" in st]                   # trace events, JSON
+    assert any(o.get("spills") for o in offs) and any(o.get("disk_loads") for o in offs) and json.dumps(offs)
+    check_clean(llm)
+
 def test_tier_off_unchanged(parts, turns):
     "Without the knob: the plain prefix-caching pool, no tier metrics, no copies on the plan."
     llm = LLM(parts, log=False, max_model_len=256, num_gpu_blocks_override=20)
@@ -134,10 +178,12 @@ def _prompt(family, nblocks):
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 4), st.booleans()), min_size=1, max_size=30),
-       st.integers(4, 9), st.integers(1, 6))
-def test_tier_property(ops, pool_blocks, tier_blocks):
-    bm = OffloadingBlockManager(pool_blocks, block_size=2, watermark=0, tier_blocks=tier_blocks)
-    pool, host, held = {}, {}, []
+       st.integers(4, 9), st.integers(1, 6), st.integers(0, 5))
+def test_tier_property(ops, pool_blocks, tier_blocks, disk_blocks):
+    "Random traffic; with `disk_blocks`, a disk tier too: files hold their hash's K/V, hits read only what was stored."
+    disk = DiskTier(tempfile.gettempdir(), disk_blocks*(32 + 256)/GiB, 32) if disk_blocks else None
+    bm = OffloadingBlockManager(pool_blocks, block_size=2, watermark=0, tier_blocks=tier_blocks, disk=disk)
+    pool, host, files, held = {}, {}, {}, []
     for i, (family, nblocks, hold) in enumerate(ops):
         seq = Sequence(i, _prompt(family, nblocks))
         hits = bm.get_computed_blocks(seq)
@@ -145,8 +191,12 @@ def test_tier_property(ops, pool_blocks, tier_blocks):
         if bm.can_allocate(seq, n, hits):
             bm.allocate(seq, n, hits)
             t = bm.take_transfers()
-            for blk, slot in t.stores: host[slot] = pool.get(blk)       # stores first, then loads
+            for where, i, h in t.spills:                               # spills to disk first, as the runner
+                files[h] = host[i] if where == "host" else pool.get(i)
+                disk.write(h, files[h] or b"")
+            for blk, slot in t.stores: host[slot] = pool.get(blk)       # stores, then loads
             for slot, blk in t.loads: pool[blk] = host[slot]
+            for payload, blk in t.disk_loads: pool[blk] = payload or None
             full = compute_block_hashes(seq, 2, seq.num_tokens//2)
             for j, blk in enumerate(seq.block_table[:len(hits)]): assert pool[blk] == full[j]   # read only loaded K/V
             for j in range(len(hits), len(full)): pool[seq.block_table[j]] = full[j]           # the forward writes
@@ -159,6 +209,7 @@ def test_tier_property(ops, pool_blocks, tier_blocks):
         assert len(bm.tier.slots) <= tier_blocks
         assert all(pool[b] == h for h, b in bm.hash_to_block.items())         # a cached block holds its hash's K/V
         assert all(host[s] == h for h, s in bm.tier.slots.items())            # and so does a tier slot
+        assert disk is None or all(files[h] == h for h in disk.index)          # and a file on disk
 
 # --- bad input
 
@@ -179,6 +230,22 @@ def test_needs_prefix_caching_and_room(parts):
     with pytest.raises(ValueError, match="holds no KV block"):
         LLM(parts, log=False, kv_offloading_size=1e-6, num_gpu_blocks_override=24, max_model_len=256)
 
+@pytest.mark.parametrize("knobs, match", [
+    (dict(kv_offloading_disk_dir="kv", kv_offloading_disk_size=-1), "kv_offloading_disk_size=-1 is invalid"),
+    (dict(kv_offloading_disk_dir="kv", kv_offloading_disk_size=math.inf), "kv_offloading_disk_size=inf is invalid"),
+    (dict(kv_offloading_disk_size=1.0), "go together"),
+    (dict(kv_offloading_disk_dir=3, kv_offloading_disk_size=1.0), "kv_offloading_disk_dir=3 is invalid")])
+def test_bad_disk_knobs(knobs, match):
+    with pytest.raises(ValueError, match=match): EngineArgs(kv_offloading_size=0.05, **knobs)
+    with pytest.raises(ValueError, match="give kv_offloading_size too"):
+        EngineArgs(kv_offloading_disk_dir="kv", kv_offloading_disk_size=1.0)
+
+def test_disk_dir_not_creatable(parts, tmp_path):
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ValueError, match="kv_offloading_disk_dir=.*cannot hold block files"):
+        LLM(parts, log=False, kv_offloading_size=0.05, kv_offloading_disk_dir=str(tmp_path / "a_file" / "kv"),
+            kv_offloading_disk_size=0.01, num_gpu_blocks_override=24, max_model_len=256)
+
 def test_hybrid_refused():
     with pytest.raises(ValueError, match="sliding-window"): OffloadingBlockManager(8, windows=(None, 4))
 
@@ -188,4 +255,6 @@ def test_cli_flags():
     ns = p.parse_args(["--kv-offloading-size", "2.5", "--kv-offloading-backend", "native"])
     knobs = from_cli_args(ns)
     assert knobs["kv_offloading_size"] == 2.5 and knobs["kv_offloading_backend"] == "native"
+    knobs = from_cli_args(p.parse_args(["--kv-offloading-disk-dir", "kv", "--kv-offloading-disk-size", "2"]))
+    assert (knobs["kv_offloading_disk_dir"], knobs["kv_offloading_disk_size"]) == ("kv", 2.0)
     with pytest.raises(SystemExit): p.parse_args(["--kv-offloading-backend", "lmcache"])

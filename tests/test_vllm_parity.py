@@ -19,6 +19,9 @@ PAGEDNB_ONLY = {
         "log": "silences the one-line KV-sizing report in notebooks and tests; vLLM logs through `logging`",
         "calculate_kv_scales": "vLLM's own name for measuring fp8 K/V scales on the first forward pass; vLLM 0.32 "
                                "no longer has the knob (it reads scales from the checkpoint), pagednb keeps it to teach it",
+        "kv_offloading_disk_dir": "a disk tier behind the host tier; vLLM's native offloading has none (LMCache's "
+                                  "local_disk is the nearest)",
+        "kv_offloading_disk_size": "the disk tier's GiB; LMCache calls it max_local_disk_size, vLLM has none",
     },
     "sampling": {
         "truncate_prompt_tokens": "vLLM 0.32 takes it per request (its tokenization parameters); pagednb keeps it on "
@@ -28,6 +31,8 @@ PAGEDNB_ONLY = {
         "--calculate-kv-scales": "vLLM's own name for measuring fp8 K/V scales on the first forward pass; vLLM 0.32 no "
                                  "longer has the flag (it reads scales from the checkpoint), pagednb keeps it to teach it",
         "--no-calculate-kv-scales": "the off switch of --calculate-kv-scales, which vLLM 0.32 no longer has",
+        "--kv-offloading-disk-dir": "a disk tier behind the host tier; vLLM's native offloading has none",
+        "--kv-offloading-disk-size": "the disk tier's GiB; vLLM's native offloading has none",
         "--disable-frontend-multiprocessing": "runs the engine in a thread of the API server; vLLM 0.32 switches this "
                                               "with VLLM_ENABLE_V1_MULTIPROCESSING=0 (older vLLM had this flag)",
         "--max-n": "caps a request's `n` so one request cannot fill a small CPU's KV cache; vLLM has no cap",
