@@ -19,6 +19,8 @@ PAGEDNB_ONLY = {
         "log": "silences the one-line KV-sizing report in notebooks and tests; vLLM logs through `logging`",
         "calculate_kv_scales": "vLLM's own name for measuring fp8 K/V scales on the first forward pass; vLLM 0.32 "
                                "no longer has the knob (it reads scales from the checkpoint), pagednb keeps it to teach it",
+        "matmul_dtype": "16-bit products with float32 between them on a CPU; vLLM's CPU build has only --dtype, which "
+                        "puts the whole model in bfloat16",
     },
     "sampling": {
         "truncate_prompt_tokens": "vLLM 0.32 takes it per request (its tokenization parameters); pagednb keeps it on "
@@ -28,6 +30,8 @@ PAGEDNB_ONLY = {
         "--calculate-kv-scales": "vLLM's own name for measuring fp8 K/V scales on the first forward pass; vLLM 0.32 no "
                                  "longer has the flag (it reads scales from the checkpoint), pagednb keeps it to teach it",
         "--no-calculate-kv-scales": "the off switch of --calculate-kv-scales, which vLLM 0.32 no longer has",
+        "--matmul-dtype": "16-bit products with float32 between them on a CPU; vLLM's CPU build has only --dtype, which "
+                          "puts the whole model in bfloat16",
         "--disable-frontend-multiprocessing": "runs the engine in a thread of the API server; vLLM 0.32 switches this "
                                               "with VLLM_ENABLE_V1_MULTIPROCESSING=0 (older vLLM had this flag)",
         "--max-n": "caps a request's `n` so one request cannot fill a small CPU's KV cache; vLLM has no cap",
