@@ -392,10 +392,10 @@ def plot_attainment(sweeps: dict, title=None):
 VLLM_REPLAY_FLAGS = ["--enable-prompt-tokens-details"]       # vLLM reports cached prompt tokens only with it
 
 def serve_and_sweep(engine, workload, target=Target(), rates=None, python=None, model=None, threads=2, kv_gib=1,
-                    max_model_len=2048, knobs=None, **kw) -> dict:
+                    max_model_len=2048, knobs=None, dtype="float32", **kw) -> dict:
     "Start `engine`'s server (`ServerProcess`), sweep `workload` on it, stop it: the sweep, or a `skipped` record."
     sp = ServerProcess(engine, resolve_model_path(model), threads=threads, kv_gib=kv_gib, python=python,
-                       max_model_len=max_model_len, knobs=knobs if engine == "pagednb" else None)
+                       max_model_len=max_model_len, knobs=knobs if engine == "pagednb" else None, dtype=dtype)
     if engine == "vllm": sp.cmd += VLLM_REPLAY_FLAGS
     try:
         with sp as s:
@@ -416,16 +416,18 @@ def fit_workload(workload, max_model_len) -> Workload:
     return Workload(fit, name=workload.name + (f" ({cut} longer than {max_model_len} tokens left out)" if cut else ""))
 
 # %% ../nbs/09h_replay.ipynb #rp-sbs
-def side_by_side(workload, target=Target(), rates=None, vllm_python=None, **kw) -> dict:
-    "`pagednb serve`, then `vllm serve` (if a vLLM venv is given or set), swept on the same workload and target."
+def side_by_side(workload, target=Target(), rates=None, vllm_python=None, vllm_dtypes=("float32",), **kw) -> dict:
+    "`pagednb serve`, then `vllm serve` at each of `vllm_dtypes` (if a vLLM venv is given), on the same workload."
     vllm_python, knobs = find_vllm_python(vllm_python), kw.pop("knobs", None)
     kw["max_model_len"] = (knobs or {}).get("max_model_len", kw.get("max_model_len", 2048))     # the same for both
     workload = fit_workload(workload, kw["max_model_len"])
     rates = rates or default_rates(workload, kw.get("max_requests"))                             # the same for both
     servers = {"pagednb serve": serve_and_sweep("pagednb", workload, target, rates, knobs=knobs, **kw)}
     why = "no vLLM venv: pass --vllm-python PATH or set $PAGEDNB_VLLM_PYTHON"
-    vllm = serve_and_sweep("vllm", workload, target, rates, python=vllm_python, **kw) if vllm_python else None
-    servers["vllm serve"] = vllm or dict(engine="vllm", skipped=why)                   # vLLM keeps its own defaults
+    for d in vllm_dtypes:                                                              # vLLM keeps its own defaults
+        name = "vllm serve" if d == "float32" else f"vllm serve ({d})"
+        run = vllm_python and serve_and_sweep("vllm", workload, target, rates, python=vllm_python, dtype=d, **kw)
+        servers[name] = run or dict(engine="vllm", skipped=why)
     return dict(workload=workload.describe(), target=asdict(target), machine=machine_info(), servers=servers)
 
 # %% ../nbs/09h_replay.ipynb #rp-format
@@ -489,8 +491,10 @@ def replay_options(a) -> dict:
         raise ValueError(f"--trace {a.trace}: no such file (give a Mooncake-format JSONL file, or 'mooncake')")
     if a.url: check_url(a.url, a.allow_remote)
     sizes = dict(max_requests=a.max_requests, sample=a.sample, length_scale=a.length_scale)
+    vllm_dtypes = tuple(getattr(a, "vllm_dtype", None) or ("float32",))      # `pagednb bench --vllm-dtype`
     return dict(trace=a.trace, url=a.url, allow_remote=a.allow_remote, target=target, rates=_rates(a.rates),
-                sweep=a.rates is not None, time_scale=a.time_scale, bisect=a.bisect, deadline=a.deadline, **sizes)
+                vllm_dtypes=vllm_dtypes, sweep=a.rates is not None, time_scale=a.time_scale, bisect=a.bisect,
+                deadline=a.deadline, **sizes)
 
 # %% ../nbs/09h_replay.ipynb #rp-load
 def load_workload(trace=None, max_requests=None, sample=None, length_scale=1.0, seed=0) -> Workload:
@@ -513,7 +517,7 @@ def bench_replay(opts, vllm_python=None, model=None, threads=2, knobs=None, on_r
     kw = dict(max_requests=opts["max_requests"], deadline=opts["deadline"], on_run=on_run)
     if opts["url"] is None:
         return side_by_side(w, opts["target"], opts["rates"], vllm_python, model=model, threads=threads,
-                            knobs=knobs, bisect=opts["bisect"], **kw)
+                            knobs=knobs, bisect=opts["bisect"], vllm_dtypes=opts.get("vllm_dtypes", ("float32",)), **kw)
     url, target, kw["allow_remote"] = opts["url"], opts["target"], opts["allow_remote"]
     s = (sweep_replay(w, url, target, opts["rates"], opts["bisect"], **kw) if opts["sweep"]
          else one_run(w, url, target, opts["time_scale"], **kw))
