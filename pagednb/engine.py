@@ -124,7 +124,8 @@ def _build(self: LLMEngine, args: EngineArgs):
     self.block_manager = self._block_manager(args, num_blocks, block_bytes, windows)
     self.scheduler = Scheduler(c, self.block_manager)
     self.runner = ModelRunner(self.model, num_blocks, bs, args.attention_backend, groups=groups,
-                              kv_cache_dtype=args.kv_cache_dtype, **self._kv_scales(args))
+                              kv_cache_dtype=args.kv_cache_dtype, matmul_dtype=args.matmul_dtype,
+                              **self._kv_scales(args))
     self.offloading = isinstance(self.block_manager, OffloadingBlockManager)
     if self.offloading: self.runner.enable_offload(self.block_manager.tier.num_blocks, self.block_manager.disk)
     self.kv_line = self._kv_line(num_blocks, block_bytes)

@@ -7,9 +7,9 @@ Docs: https://pagednb.github.io/pagednb/replay.html.md"""
 # %% auto #0
 __all__ = ['SALT', 'NOT_SENT', 'INCOMPLETE', 'VLLM_REPLAY_FLAGS', 'RUN_KEYS', 'check_url', 'request_body', 'check_replay',
            'offered_rate', 'RequestResult', 'StubServer', 'Replay', 'replay', 'Target', 'request_itl', 'summarize',
-           'search_rate', 'default_rates', 'sweep_replay', 'plot_attainment', 'serve_and_sweep', 'warm_up',
-           'fit_workload', 'side_by_side', 'format_replay', 'add_replay_args', 'replay_options', 'load_workload',
-           'one_run', 'bench_replay', 'replay_json_lines']
+           'search_rate', 'attainment', 'read_off', 'default_rates', 'sweep_replay', 'plot_attainment',
+           'serve_and_sweep', 'warm_up', 'fit_workload', 'side_by_side', 'format_replay', 'add_replay_args',
+           'replay_options', 'load_workload', 'one_run', 'bench_replay', 'replay_json_lines']
 
 # %% ../nbs/09h_replay.ipynb #rp-imports
 import asyncio, concurrent.futures, ipaddress, json, math, os, random, re, threading, time
@@ -340,6 +340,19 @@ def search_rate(measure, rates, share=0.9, bisect=2) -> dict:
     points = [dict(pts[r], rate=round(r, 4)) for r in sorted(pts)]
     return dict(goodput_rps=round(lo or 0.0, 4), bracket=[lo, hi], share=share, points=points)
 
+# %% ../nbs/09h_replay.ipynb #6e0b7c6d
+def attainment(rep, target) -> float:
+    "The share of the requests sent in run `rep` that completed within `target`."
+    sent = [r for r in rep.requests if r.sent is not None]
+    return round(sum(r.ok and target.meets(r) for r in sent) / max(1, len(sent)), 4)
+
+def read_off(points, i, target) -> dict:
+    "Goodput at the `i`-th further target from a sweep's `points`: the highest rate below the first miss."
+    met = [p["also"][i] >= target.attainment for p in points]
+    miss = met.index(False) if False in met else len(met)
+    lo, hi = (points[miss - 1]["rate"] if miss else None), (points[miss]["rate"] if miss < len(met) else None)
+    return dict(target=asdict(target), goodput_rps=lo or 0.0, bracket=[lo, hi])
+
 # %% ../nbs/09h_replay.ipynb #rp-sweep
 def default_rates(workload, max_requests=None) -> list:
     "A quarter to four times the workload's own offered rate: the sweep when no rates are given."
@@ -347,16 +360,18 @@ def default_rates(workload, max_requests=None) -> list:
     if math.isinf(base): raise ValueError(f"{workload.name}: every request arrives at once, so it has no rate to scale")
     return [round(base * f, 4) for f in (0.25, 0.5, 1, 2, 4)]
 
-def sweep_replay(workload, url, target=Target(), rates=None, bisect=2, on_run=None, **kw) -> dict:
-    "Replay `workload` at each of `rates` (default: 1/4 to 4 times its own), then bisect: `search_rate`'s result."
+def sweep_replay(workload, url, target=Target(), rates=None, bisect=2, on_run=None, also=(), **kw) -> dict:
+    "Replay `workload` at each of `rates` (default: 1/4 to 4 times its own), then bisect; `also`: read off the runs."
     base = offered_rate(check_replay(workload, 1.0, kw.get("max_requests")))
     if math.isinf(base): raise ValueError(f"{workload.name}: every request arrives at once, so it has no rate to scale")
     rates, salts = rates or default_rates(workload, kw.get("max_requests")), iter(range(SALT, 1 << 30))
     def measure(rate):
-        s = summarize(replay(workload, url, time_scale=base / rate, salt=next(salts), **kw), target)
+        rep = replay(workload, url, time_scale=base / rate, salt=next(salts), **kw)
+        s = dict(summarize(rep, target), also=[attainment(rep, t) for t in also])
         if on_run: on_run(s)
         return s
-    return dict(search_rate(measure, rates, target.attainment, bisect), target=asdict(target))
+    out = dict(search_rate(measure, rates, target.attainment, bisect), target=asdict(target))
+    return dict(out, also=[read_off(out["points"], i, t) for i, t in enumerate(also)])
 
 # %% ../nbs/09h_replay.ipynb #rp-plot
 def plot_attainment(sweeps: dict, title=None):
@@ -377,10 +392,10 @@ def plot_attainment(sweeps: dict, title=None):
 VLLM_REPLAY_FLAGS = ["--enable-prompt-tokens-details"]       # vLLM reports cached prompt tokens only with it
 
 def serve_and_sweep(engine, workload, target=Target(), rates=None, python=None, model=None, threads=2, kv_gib=1,
-                    max_model_len=2048, knobs=None, **kw) -> dict:
+                    max_model_len=2048, knobs=None, dtype="float32", **kw) -> dict:
     "Start `engine`'s server (`ServerProcess`), sweep `workload` on it, stop it: the sweep, or a `skipped` record."
     sp = ServerProcess(engine, resolve_model_path(model), threads=threads, kv_gib=kv_gib, python=python,
-                       max_model_len=max_model_len, knobs=knobs if engine == "pagednb" else None)
+                       max_model_len=max_model_len, knobs=knobs if engine == "pagednb" else None, dtype=dtype)
     if engine == "vllm": sp.cmd += VLLM_REPLAY_FLAGS
     try:
         with sp as s:
@@ -401,16 +416,18 @@ def fit_workload(workload, max_model_len) -> Workload:
     return Workload(fit, name=workload.name + (f" ({cut} longer than {max_model_len} tokens left out)" if cut else ""))
 
 # %% ../nbs/09h_replay.ipynb #rp-sbs
-def side_by_side(workload, target=Target(), rates=None, vllm_python=None, **kw) -> dict:
-    "`pagednb serve`, then `vllm serve` (if a vLLM venv is given or set), swept on the same workload and target."
+def side_by_side(workload, target=Target(), rates=None, vllm_python=None, vllm_dtypes=("float32",), **kw) -> dict:
+    "`pagednb serve`, then `vllm serve` at each of `vllm_dtypes` (if a vLLM venv is given), on the same workload."
     vllm_python, knobs = find_vllm_python(vllm_python), kw.pop("knobs", None)
     kw["max_model_len"] = (knobs or {}).get("max_model_len", kw.get("max_model_len", 2048))     # the same for both
     workload = fit_workload(workload, kw["max_model_len"])
     rates = rates or default_rates(workload, kw.get("max_requests"))                             # the same for both
     servers = {"pagednb serve": serve_and_sweep("pagednb", workload, target, rates, knobs=knobs, **kw)}
     why = "no vLLM venv: pass --vllm-python PATH or set $PAGEDNB_VLLM_PYTHON"
-    vllm = serve_and_sweep("vllm", workload, target, rates, python=vllm_python, **kw) if vllm_python else None
-    servers["vllm serve"] = vllm or dict(engine="vllm", skipped=why)                   # vLLM keeps its own defaults
+    for d in vllm_dtypes:                                                              # vLLM keeps its own defaults
+        name = "vllm serve" if d == "float32" else f"vllm serve ({d})"
+        run = vllm_python and serve_and_sweep("vllm", workload, target, rates, python=vllm_python, dtype=d, **kw)
+        servers[name] = run or dict(engine="vllm", skipped=why)
     return dict(workload=workload.describe(), target=asdict(target), machine=machine_info(), servers=servers)
 
 # %% ../nbs/09h_replay.ipynb #rp-format
@@ -423,6 +440,8 @@ def format_replay(result) -> str:
     for name, s in result["servers"].items():
         said = f"skipped: {s['skipped']}" if "skipped" in s else f"goodput {s['goodput_rps']} req/s"
         head.append(f"{name}: {said}" + (f" (between {s['bracket']})" if s.get("bracket") else ""))
+        head += [f"{name}: at TTFT <= {x['target']['ttft']} s and ITL <= {x['target']['itl']} s, goodput "
+                 f"{x['goodput_rps']} req/s (between {x['bracket']}, read off the sweep)" for x in s.get("also", [])]
         rows += [dict(p, server=name) for p in s.get("points", [])]
     cols = ["server", ("rate", "rate (req/s)"), "attainment", ("goodput_rps", "met/s"), ("ttft_p50", "TTFT p50"),
             ("ttft_p99", "TTFT p99"), ("itl_p50", "ITL p50"), ("itl_p99", "ITL p99"),
@@ -441,6 +460,8 @@ def add_replay_args(p):
     g.add_argument("--ttft", type=float, default=1.0, help="TTFT target in seconds (default 1.0)")
     g.add_argument("--itl", type=float, default=0.1, help="ITL target in seconds, a request's mean gap (default 0.1)")
     g.add_argument("--itl-pct", type=float, help="hold this percentile of a request's gaps to --itl, not their mean")
+    g.add_argument("--also-target", action="append", metavar="TTFT,ITL", default=[],
+                   help="a further target, read off the same sweep (repeatable), e.g. 0.5,0.1")
     _add_replay_sizes(g)
 
 # %% ../nbs/09h_replay.ipynb #rp-args2
@@ -461,6 +482,12 @@ def _rates(text):
     try: return [float(r) for r in text.split(",") if r.strip()]
     except ValueError: raise ValueError(f"--rates {text!r} is invalid: give rates like 0.5,1,2 or 'auto'") from None
 
+def _also(texts, itl_pct=None) -> tuple:
+    "The `--also-target TTFT,ITL` targets."
+    try: return tuple(Target(*map(float, t.split(",")), itl_pct) for t in texts)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"--also-target {texts!r} is invalid: give TTFT,ITL in seconds, e.g. 0.5,0.1 ({e})") from None
+
 def replay_options(a) -> dict:
     "`--only replay`'s options, checked: a bad one raises a `ValueError` that names its flag."
     flags = dict(ttft="--ttft", itl="--itl", itl_pct="--itl-pct", time_scale="--time-scale", deadline="--deadline",
@@ -474,8 +501,11 @@ def replay_options(a) -> dict:
         raise ValueError(f"--trace {a.trace}: no such file (give a Mooncake-format JSONL file, or 'mooncake')")
     if a.url: check_url(a.url, a.allow_remote)
     sizes = dict(max_requests=a.max_requests, sample=a.sample, length_scale=a.length_scale)
+    vllm_dtypes = tuple(getattr(a, "vllm_dtype", None) or ("float32",))      # `pagednb bench --vllm-dtype`
+    also = _also(getattr(a, "also_target", []), a.itl_pct)
     return dict(trace=a.trace, url=a.url, allow_remote=a.allow_remote, target=target, rates=_rates(a.rates),
-                sweep=a.rates is not None, time_scale=a.time_scale, bisect=a.bisect, deadline=a.deadline, **sizes)
+                vllm_dtypes=vllm_dtypes, also=also, sweep=a.rates is not None, time_scale=a.time_scale, bisect=a.bisect,
+                deadline=a.deadline, **sizes)
 
 # %% ../nbs/09h_replay.ipynb #rp-load
 def load_workload(trace=None, max_requests=None, sample=None, length_scale=1.0, seed=0) -> Workload:
@@ -497,11 +527,13 @@ def bench_replay(opts, vllm_python=None, model=None, threads=2, knobs=None, on_r
     "`--only replay`: the workload against `opts['url']` (one run, or a sweep), or the two servers side by side."
     w = load_workload(opts["trace"], opts["max_requests"], opts["sample"], opts["length_scale"])
     kw = dict(max_requests=opts["max_requests"], deadline=opts["deadline"], on_run=on_run)
+    also = dict(also=opts.get("also", ()))                                   # further targets: sweeps only
     if opts["url"] is None:
         return side_by_side(w, opts["target"], opts["rates"], vllm_python, model=model, threads=threads,
-                            knobs=knobs, bisect=opts["bisect"], **kw)
+                            knobs=knobs, bisect=opts["bisect"], vllm_dtypes=opts.get("vllm_dtypes", ("float32",)),
+                            **kw, **also)
     url, target, kw["allow_remote"] = opts["url"], opts["target"], opts["allow_remote"]
-    s = (sweep_replay(w, url, target, opts["rates"], opts["bisect"], **kw) if opts["sweep"]
+    s = (sweep_replay(w, url, target, opts["rates"], opts["bisect"], **kw, **also) if opts["sweep"]
          else one_run(w, url, target, opts["time_scale"], **kw))
     return dict(workload=w.describe(), target=asdict(target), machine=machine_info(), servers={url: s})
 
@@ -517,4 +549,5 @@ def replay_json_lines(result) -> str:
         if s.get("goodput_rps") is not None:
             lines.append(dict(server=name, kind="goodput", goodput_rps=s["goodput_rps"], bracket=s["bracket"],
                               target=result["target"]))
+        lines += [dict(server=name, kind="goodput", read_off=True, **x) for x in s.get("also", [])]
     return "\n".join(json.dumps(l) for l in lines)

@@ -24,7 +24,7 @@ from .attention import check_kv_scale
 from .kv_cache import kv_bytes_per_token
 from .engine_args import check_knob
 from .hybrid_kv import kv_cache_groups, layer_slots, is_hybrid, max_concurrency, describe_groups
-from .cpu_ops import fuse_for_cpu, can_pack, pack_linears, hoist_attributes, PACK_MIN_NUMEL
+from .cpu_ops import fuse_for_cpu, can_pack, pack_linears, hoist_attributes, PACK_MIN_NUMEL, matmul_torch_dtype
 from .cpu_attention import zeros_huge_pages, populate, cpu_kernel_supports, KernelStep
 
 # %% ../nbs/06_runner.ipynb #cb1ac084
@@ -304,7 +304,7 @@ def _layer_attention(cfg, layer):
 class ModelRunner:
     "Runs the model over the paged KV cache for a step plan."
     def __init__(self, model, num_blocks, block_size, attention_backend=None, pack_weights=None, groups=None,
-                 kv_cache_dtype="auto", kv_scales=None, calculate_kv_scales=False):
+                 kv_cache_dtype="auto", kv_scales=None, calculate_kv_scales=False, matmul_dtype="auto"):
         c, w = model.config, model.lm_head.weight
         self.kv_dtype = kv_storage_dtype(kv_cache_dtype, w.dtype)       # what the pool holds (`04`)
         # the C++ kernel (`04a`) and Triton convert a smaller pool's pages as they read; Triton takes no scales
@@ -312,8 +312,9 @@ class ModelRunner:
         self.model, self.block_size, self.device = model, block_size, w.device
         if pack_weights is None:
             pack_weights = can_pack(w) and os.environ.get("PAGEDNB_PACK_WEIGHTS", "1") != "0"
+        mm = matmul_torch_dtype(matmul_dtype, w, pack_weights)      # bfloat16: 16-bit products on a CPU (04b)
         self.fused = fuse_for_cpu(model) if pack_weights else 0    # CPU: merged q/k/v, gate/up, C++ ops (04b)
-        self.packed = pack_linears(model, PACK_MIN_NUMEL) if pack_weights else 0   # CPU: oneDNN-packed (04b)
+        self.packed = pack_linears(model, PACK_MIN_NUMEL, mm) if pack_weights else 0   # CPU: oneDNN-packed (04b)
         hoist_attributes(model)                                    # no `Module.__getattr__` per step (04b)
         pages = kv_cache_shape(num_blocks, block_size, c.num_key_value_heads, c.head_dim)
         self.groups = groups or kv_cache_groups([None]*c.num_hidden_layers)   # `03a_hybrid_kv`

@@ -280,3 +280,46 @@ def test_fused_qwen3_matches_hf_and_greedy(family, tmp_path):
     model.requires_grad_(True)                                       # autograd: the torch path applies the norms too
     out = model.compute_logits(model(x, torch.arange(37), NoCacheAttention([37])))
     torch.testing.assert_close(out.detach(), ref, atol=1e-4, rtol=1e-4)
+
+# --- 16-bit products (`matmul_dtype`)
+
+BF16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+@pytest.mark.skipif(not BF16, reason="this CPU has no bfloat16 products (AVX512-BF16 or AMX)")
+def test_packed_linear_in_bfloat16():
+    g = torch.Generator().manual_seed(5)
+    lin = torch.nn.Linear(576, 960, bias=True)
+    x = torch.randn(37, 576, generator=g)
+    pl = PackedLinear(lin, matmul_dtype=torch.bfloat16)
+    with torch.inference_mode(): y, ref = pl(x), lin(x)
+    assert y.dtype == torch.float32 and pl.weight.dtype == torch.float32 and y.shape == ref.shape
+    rel = ((y - ref).norm() / ref.norm()).item()
+    assert 1e-4 < rel < 1e-2                                         # rounded to 8 bits of mantissa, not wrong
+    x16 = x.bfloat16().float()                                       # inputs already bfloat16: only the output rounds
+    with torch.inference_mode(): exact = F.linear(x16.double(), lin.weight.bfloat16().double(), lin.bias.double())
+    torch.testing.assert_close(pl(x16).double(), exact, atol=2e-2, rtol=8e-3)
+
+@pytest.mark.skipif(not BF16, reason="this CPU has no bfloat16 products (AVX512-BF16 or AMX)")
+def test_engine_with_bfloat16_products():
+    "The embedded model with 16-bit products: every packed layer in bfloat16, next-token choices as float32's."
+    fp32 = LLM(log=False, num_gpu_blocks_override=64, max_model_len=256)
+    bf16 = LLM(log=False, num_gpu_blocks_override=64, max_model_len=256, matmul_dtype="bfloat16")
+    packed = [m for m in bf16.engine.model.modules() if isinstance(m, PackedLinear)]
+    assert packed and all(m.matmul_dtype == torch.bfloat16 for m in packed)
+    assert all(m.matmul_dtype == torch.float32 for m in fp32.engine.model.modules() if isinstance(m, PackedLinear))
+    text = "A page table maps the blocks of a sequence to the physical pages of the KV cache, so that " * 4
+    ids = fp32.get_tokenizer()(text)["input_ids"]
+    sp = SamplingParams(max_tokens=1, prompt_logprobs=1)
+    rows = [llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0].prompt_logprobs[1:] for llm in (fp32, bf16)]
+    top = [[next(t for t, lp in r.items() if lp.rank == 1) for r in rs] for rs in rows]
+    agree = sum(a == b for a, b in zip(*top)) / len(top[0])
+    assert 0.9 <= agree, agree
+    lp = [[r[t].logprob for r, t in zip(rs, ids[1:])] for rs in rows]
+    assert lp[0] != lp[1]                                            # the products did change: rounded, not skipped
+    assert abs(sum(lp[1]) / sum(lp[0]) - 1) < 0.02                   # the text's log-likelihood within 2%
+
+def test_matmul_dtype_bad_input(monkeypatch):
+    with pytest.raises(ValueError, match="matmul_dtype.*'auto', 'bfloat16'"): LLM(log=False, matmul_dtype="fp8")
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)   # a CPU without bfloat16 products
+    with pytest.raises(ValueError, match="matmul_dtype='bfloat16'.*AVX512-BF16.*use matmul_dtype='auto'"):
+        LLM(log=False, num_gpu_blocks_override=16, max_model_len=128, matmul_dtype="bfloat16")

@@ -22,6 +22,8 @@ PAGEDNB_ONLY = {
         "kv_offloading_disk_dir": "a disk tier behind the host tier; vLLM's native offloading has none (LMCache's "
                                   "local_disk is the nearest)",
         "kv_offloading_disk_size": "the disk tier's GiB; LMCache calls it max_local_disk_size, vLLM has none",
+        "matmul_dtype": "16-bit products with float32 between them on a CPU; vLLM's CPU build has only --dtype, which "
+                        "puts the whole model in bfloat16",
     },
     "sampling": {
         "truncate_prompt_tokens": "vLLM 0.32 takes it per request (its tokenization parameters); pagednb keeps it on "
@@ -33,6 +35,8 @@ PAGEDNB_ONLY = {
         "--no-calculate-kv-scales": "the off switch of --calculate-kv-scales, which vLLM 0.32 no longer has",
         "--kv-offloading-disk-dir": "a disk tier behind the host tier; vLLM's native offloading has none",
         "--kv-offloading-disk-size": "the disk tier's GiB; vLLM's native offloading has none",
+        "--matmul-dtype": "16-bit products with float32 between them on a CPU; vLLM's CPU build has only --dtype, which "
+                          "puts the whole model in bfloat16",
         "--disable-frontend-multiprocessing": "runs the engine in a thread of the API server; vLLM 0.32 switches this "
                                               "with VLLM_ENABLE_V1_MULTIPROCESSING=0 (older vLLM had this flag)",
         "--max-n": "caps a request's `n` so one request cannot fill a small CPU's KV cache; vLLM has no cap",
