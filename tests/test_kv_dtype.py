@@ -154,6 +154,21 @@ def test_same_bytes_hold_more_tokens(parts):
                      kv_cache_dtype=d).engine.block_manager.num_blocks for d in ("auto", "bfloat16", "fp8")}
     assert blocks == dict(auto=20, bfloat16=40, fp8=80)
 
+def test_memory_map_draws_the_smaller_blocks(parts):
+    "The memory map of an fp8 engine: four times the blocks of the same bytes, its dtype and block bytes in the title."
+    from pagednb.plots import plot_memory_map, plot_kv_dtype_pools
+    block = 30 * 2 * 3 * 64 * 4 * 16
+    engines = {d: LLM(parts, log=False, max_model_len=128, kv_cache_memory_bytes=8 * block, kv_cache_dtype=d).engine
+               for d in ("auto", "fp8")}
+    figs = {d: plot_memory_map(e.block_manager, kv_cache_dtype=d, bytes_per_token=e.kv_bytes_per_token)
+            for d, e in engines.items()}
+    cells = {d: sum(list(t.x).count(None) for t in f.data if t.fill == "toself") for d, f in figs.items()}
+    assert cells == dict(auto=8, fp8=32)
+    assert figs["fp8"].layout.title.text == ("32 blocks of 16: 0 used, 32 free, 0 cached-free<br>"
+                                             "<sup>kv_cache_dtype=fp8: 11,520 B per token, 184,320 B per block</sup>")
+    fig = plot_kv_dtype_pools(8 * block, {d: 16 * e.kv_bytes_per_token for d, e in engines.items()})
+    assert [t.name for t in fig.data] == ["auto: 8 blocks of 737,280 B", "fp8: 32 blocks of 184,320 B"]
+
 def test_unknown_dtype_lists_the_valid_ones(parts):
     with pytest.raises(ValueError, match=r"kv_cache_dtype='fp4' is unknown; use one of \('auto', 'float16', "
                                          r"'bfloat16', 'fp8', 'fp8_e4m3', 'fp8_e5m2'\)"):
