@@ -7,8 +7,8 @@ Docs: https://pagednb.github.io/pagednb/cpu_attention.html.md"""
 # %% auto #0
 __all__ = ['CSRC', 'CPU_KERNEL_FLAGS', 'cpu_kernel', 'CPU_KV_DTYPES', 'CPU_STORE_INPUTS', 'MADV_HUGEPAGE', 'HUGE_PAGE',
            'MADV_POPULATE_WRITE', 'source_path', 'source_files', 'CppSource', 'show_source', 'find_cxx',
-           'build_cpu_kernel', 'CppLibrary', 'cpu_kernel_supports', 'paged_attention_cpu', 'store_kv_cpu', 'KernelStep',
-           'zeros_huge_pages', 'populate']
+           'build_cpu_kernel', 'CppLibrary', 'cpu_kernel_supports', 'paged_attention_cpu', 'store_kv_cpu',
+           'cpu_store_supports', 'KernelStep', 'zeros_huge_pages', 'populate']
 
 # %% ../nbs/04a_cpu_attention.ipynb #3dcff38d
 import ctypes, hashlib, math, mmap, os, platform, re, secrets, shutil, subprocess, sys, tempfile, warnings
@@ -286,6 +286,13 @@ def store_kv_cpu(key, value, k_cache, v_cache, slot_mapping, checked=False, k_sc
     _check_store_tensors(key, value, k_cache, v_cache)
     slots = _int64(slot_mapping)                                     # kept alive while C reads its pointer
     _store(lib, key, value, k_cache, v_cache, slots, k_scale, v_scale)
+
+# %% ../nbs/04a_cpu_attention.ipynb #be7869d0
+def cpu_store_supports(key, value, k_cache) -> bool:
+    "Can `store_kv_cpu` take these? Contiguous CPU rows of `CPU_STORE_INPUTS`, a cache of `CPU_KV_DTYPES`, a library."
+    ok = key.device.type == "cpu" and key.dtype in CPU_STORE_INPUTS and k_cache.dtype in CPU_KV_DTYPES
+    dense = key.is_contiguous() and value.is_contiguous() and k_cache.is_contiguous()
+    return ok and dense and cpu_kernel() is not None
 
 # %% ../nbs/04a_cpu_attention.ipynb #7322f661
 class KernelStep:

@@ -394,6 +394,22 @@ def test_checkpoint_scales_are_read_and_applied(tmp_path):
         assert (a.k_scales, a.v_scales) == want
     assert len(outs["fp8"]) == 8
 
+def test_bfloat16_model_stores_through_cpp(tmp_path, monkeypatch):
+    "A model computing in bfloat16 (no C++ attention for it) stores its fp8 cache in C++, token-equal to torch's store."
+    from helpers import tiny_hf_model
+    import pagednb.runner as R
+    tiny_hf_model("llama", tmp_path)
+    parts = load_model(tmp_path, dtype="bfloat16", device="cpu")
+    sp = SamplingParams(temperature=0, max_tokens=12, min_tokens=12)
+    run = lambda: LLM(parts, log=False, max_model_len=128, kv_cache_dtype="fp8").generate(
+        [[5, 9, 30, 7, 2, 11], list(range(40, 80))], sp, use_tqdm=False)
+    calls, real = [], R.store_kv_cpu
+    monkeypatch.setattr(R, "store_kv_cpu", lambda *a, **k: calls.append(a[0].dtype) or real(*a, **k))
+    got = [o.outputs[0].token_ids for o in run()]
+    assert calls and set(calls) == {torch.bfloat16}
+    monkeypatch.setattr(R, "cpu_store_supports", lambda *a: False)                  # torch's store instead
+    assert [o.outputs[0].token_ids for o in run()] == got
+
 def test_checkpoint_scale_of_the_wrong_shape(tmp_path):
     from helpers import tiny_hf_model
     tiny_hf_model("llama", tmp_path)
