@@ -26,6 +26,7 @@ from .engine_args import check_knob
 from .hybrid_kv import kv_cache_groups, layer_slots, is_hybrid, max_concurrency, describe_groups
 from .cpu_ops import fuse_for_cpu, can_pack, pack_linears, hoist_attributes, PACK_MIN_NUMEL, matmul_torch_dtype
 from .cpu_attention import zeros_huge_pages, populate, cpu_kernel_supports, KernelStep
+from .cpu_attention import cpu_store_supports, store_kv_cpu
 
 # %% ../nbs/06_runner.ipynb #cb1ac084
 @dataclass
@@ -227,7 +228,8 @@ def __call__(self: PagedAttentionBackend, layer, q, k, v):
         kernel.store_kv(k, v, kc, vc, **scales)
         return kernel.attend(q, kc, vc, **kw, **scales)
     bt, slots = x.group(g)
-    store_kv(k, v, kc, vc, slots, backend=self.backend, **scales)
+    if self._torch and cpu_store_supports(k, v, kc): store_kv_cpu(k, v, kc, vc, slots, **scales)   # C++ on a CPU
+    else: store_kv(k, v, kc, vc, slots, backend=self.backend, **scales)
     return paged_attention(q, kc, vc, bt, x.seq_lens, x.query_start_loc, spec.scale, backend=self.backend,
                            max_query_len=x.max_query_len, max_seq_len=x.max_seq_len, plan=self.plans.get(g), **kw,
                            **scales)

@@ -141,7 +141,12 @@ def test_store_kv_cpu():
     with pytest.raises(IndexError, match="out of range"): C.store_kv_cpu(kv[0], kv[1], kc, vc, torch.tensor([5, -1, 17, 10**6]))
     with pytest.raises(ValueError, match="value"): C.store_kv_cpu(kv[0], kv[1, :3], kc, vc, slots)
     with pytest.raises(TypeError, match="dtype"): C.store_kv_cpu(kv[0].double(), kv[1].double(), kc.double(), vc.double(), slots)
-    with pytest.raises(ValueError, match="float32"): C.store_kv_cpu(kv[0].half(), kv[1].half(), kc.half(), vc.half(), slots, checked=True)
+    with pytest.raises(ValueError, match="rows of float32, float16, bfloat16"):
+        C.store_kv_cpu(kv[0].double(), kv[1].double(), kc, vc, slots, checked=True)
+    with pytest.raises(ValueError, match="k_scale"): C.store_kv_cpu(kv[0], kv[1], kc, vc, slots, k_scale=0.0)
+    k16, v16 = torch.zeros(kc.shape, dtype=torch.bfloat16), torch.zeros(vc.shape, dtype=torch.bfloat16)
+    C.store_kv_cpu(kv[0].half(), kv[1].half(), k16, v16, slots)                    # 16-bit rows, another 16-bit cache
+    torch.testing.assert_close(k16.view(-1, 2, 32)[17].float(), kv[0, 2].half().bfloat16().float(), rtol=0, atol=0)
 
 
 # --- the C++ sources: files shipped in pagednb/csrc, compiled where they lie

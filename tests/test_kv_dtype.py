@@ -1,6 +1,6 @@
 """`kv_cache_dtype`: the store's rounding against torch's casts, the torch path over a quantised cache, and the engine
 with a 16-bit cache token-equal to Hugging Face whose cache rounds the same way; fp8's drift is measured and printed."""
-import math, pytest, torch
+import ctypes, math, platform, pytest, torch
 from transformers import DynamicCache
 from pagednb.attention import (KV_STORAGE_DTYPES, kv_storage_dtype, check_kv_scale, quantize_kv, dequantize_kv,
                                make_paged_problem, paged_attention_torch, store_kv, paged_attention)
@@ -154,6 +154,21 @@ def test_same_bytes_hold_more_tokens(parts):
                      kv_cache_dtype=d).engine.block_manager.num_blocks for d in ("auto", "bfloat16", "fp8")}
     assert blocks == dict(auto=20, bfloat16=40, fp8=80)
 
+def test_memory_map_draws_the_smaller_blocks(parts):
+    "The memory map of an fp8 engine: four times the blocks of the same bytes, its dtype and block bytes in the title."
+    from pagednb.plots import plot_memory_map, plot_kv_dtype_pools
+    block = 30 * 2 * 3 * 64 * 4 * 16
+    engines = {d: LLM(parts, log=False, max_model_len=128, kv_cache_memory_bytes=8 * block, kv_cache_dtype=d).engine
+               for d in ("auto", "fp8")}
+    figs = {d: plot_memory_map(e.block_manager, kv_cache_dtype=d, bytes_per_token=e.kv_bytes_per_token)
+            for d, e in engines.items()}
+    cells = {d: sum(list(t.x).count(None) for t in f.data if t.fill == "toself") for d, f in figs.items()}
+    assert cells == dict(auto=8, fp8=32)
+    assert figs["fp8"].layout.title.text == ("32 blocks of 16: 0 used, 32 free, 0 cached-free<br>"
+                                             "<sup>kv_cache_dtype=fp8: 11,520 B per token, 184,320 B per block</sup>")
+    fig = plot_kv_dtype_pools(8 * block, {d: 16 * e.kv_bytes_per_token for d, e in engines.items()})
+    assert [t.name for t in fig.data] == ["auto: 8 blocks of 737,280 B", "fp8: 32 blocks of 184,320 B"]
+
 def test_unknown_dtype_lists_the_valid_ones(parts):
     with pytest.raises(ValueError, match=r"kv_cache_dtype='fp4' is unknown; use one of \('auto', 'float16', "
                                          r"'bfloat16', 'fp8', 'fp8_e4m3', 'fp8_e5m2'\)"):
@@ -267,6 +282,91 @@ def test_cpu_kernel_reads_every_bit_pattern(name):
         got = C.paged_attention_cpu(q, k, v, *args, wide=wide, v_scale=2.0)
         torch.testing.assert_close(got.view(-1), want * 2.0, rtol=0, atol=0, equal_nan=True)
 
+# --- the C++ store: rows converted to the cache's dtype in registers, bit for bit as the torch store ----------------
+
+CACHE_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2]
+
+def _values(n=40_000, seed=0):
+    "Finite float32s of every exponent (random mantissas and signs), the formats' edges, and values beyond them."
+    b = torch.randint(0, 2**32, (n,), generator=torch.Generator().manual_seed(seed))
+    b = b[((b >> 23) & 0xff) != 0xff]
+    x = (b - (b >= 2**31) * 2**32).to(torch.int32).view(torch.float32)
+    edges = torch.tensor([0., 448., 464., 480., 1e4, 57344., 61440., 65504., 65520., 1e30, 3.4e38, 2.**-6, 2.**-9,
+                          3 * 2.**-10, 2.**-14, 2.**-17, 2.**-24, 3 * 2.**-26, 2.**-25, 1e-40, 1e-45])
+    return torch.cat([x, edges, -edges])
+
+def _bits(t): return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+def _both_stores(C, x, dt, row, k_scale, v_scale, seed=1):
+    "`x` as rows [T, 1, row] (and reversed, as V) stored by the C++ store and by torch's: the four caches."
+    x = x[:len(x) // row * row].view(-1, 1, row)
+    T = x.shape[0]
+    slots = torch.randperm(T + 9, generator=torch.Generator().manual_seed(seed))[:T]
+    slots[::5] = -1                                                    # padding: never written
+    caches = [torch.zeros(T + 9, 1, 1, row, dtype=dt) for _ in range(4)]
+    C.store_kv_cpu(x, x.flip(0), *caches[:2], slots, k_scale=k_scale, v_scale=v_scale)
+    store_kv(x, x.flip(0), *caches[2:], slots, "torch", k_scale=k_scale, v_scale=v_scale)
+    return caches
+
+STORE_PAIRS = [(src, dt) for src in CACHE_DTYPES[:3] for dt in CACHE_DTYPES if src == dt or dt != torch.float32]
+
+@pytest.mark.parametrize("src,dt", STORE_PAIRS)                          # a cache is never wider than the rows
+def test_cpu_store_matches_torch_bit_for_bit(src, dt):
+    "Every input dtype into every cache dtype, with and without scales, rows whole vectors and not: the same bits."
+    C, x = _cpu_kernel(), _values().to(src)
+    x = torch.where(x.isfinite(), x, 0)                              # a 16-bit input cannot hold the largest float32s
+    for row, ks, vs in ((16, 1.0, 1.0), (13, 0.1, 3.0), (64, 1 / 3, 2.0**-7), (5, 1e3, 1e-3)):
+        kc, vc, kt, vt = _both_stores(C, x, dt, row, ks, vs)
+        for a, b in ((kc, kt), (vc, vt)):
+            assert a.float().isfinite().all(), f"{src} -> {dt}, scale {ks}: a finite input became inf or NaN"
+            mismatch = (_bits(a) != _bits(b)).nonzero()
+            assert not len(mismatch), f"{src} -> {dt}, scale {ks}, row {row}: {len(mismatch)} elements differ"
+
+def test_cpu_store_saturates_and_skips_padding():
+    C = _cpu_kernel()
+    x = torch.tensor([1e30, -3.4e38, 500., -470., 3e5, 65520., 1e-45, 0.]).view(1, 1, 8)
+    for dt in CACHE_DTYPES[1:]:
+        kc, vc = torch.full((2, 1, 1, 8), float("nan")).to(dt), torch.zeros(2, 1, 1, 8, dtype=dt)
+        C.store_kv_cpu(x.repeat(2, 1, 1), x.repeat(2, 1, 1), kc, vc, torch.tensor([1, -1]))
+        big = torch.finfo(dt).max
+        torch.testing.assert_close(kc[1].float().view(-1), x.clamp(-big, big).to(dt).float().view(-1), rtol=0, atol=0)
+        assert kc[1].float().abs().max() == big and kc[0].float().isnan().all()     # slot 0 untouched (-1 skipped)
+
+def test_kernel_step_stores_in_cpp(monkeypatch):
+    "The engine's C++ path stores a quantised cache through the C store, never through torch's."
+    C = _cpu_kernel()
+    p = make_paged_problem([20, 9], query_lens=[1, 9], num_heads=4, num_kv_heads=2, head_dim=32, block_size=8).fill()
+    step = C.KernelStep(p.k_cache, *p.args[3:6], p.slot_mapping, p.args[6])
+    monkeypatch.setattr(C, "store_kv_torch", lambda *a, **k: pytest.fail("stored through torch"))
+    for dt in CACHE_DTYPES:
+        kc, vc = torch.zeros(p.k_cache.shape, dtype=dt), torch.zeros(p.v_cache.shape, dtype=dt)
+        step.store_kv(p.key, p.value, kc, vc, k_scale=0.5, v_scale=2.0)
+        rows = p.slot_mapping.long()
+        assert torch.equal(_bits(kc.view(-1, 2, 32)[rows]), _bits(quantize_kv(p.key, dt, 0.5)))
+        assert torch.equal(_bits(vc.view(-1, 2, 32)[rows]), _bits(quantize_kv(p.value, dt, 2.0)))
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="F16C is an x86 extension")
+def test_store_and_read_without_f16c(tmp_path, monkeypatch):
+    "The kernel built for a plain x86-64 (no F16C: integer conversions only) stores and reads as torch casts."
+    C = _cpu_kernel()
+    monkeypatch.setattr(C, "CPU_KERNEL_FLAGS", (["-O0"],))                # plain x86-64: no F16C; -O0 builds in seconds
+    lib = ctypes.CDLL(str(C.build_cpu_kernel(cache=tmp_path)))
+    for name, (args, res) in C.cpu_kernel.signatures.items():
+        getattr(lib, name).argtypes, getattr(lib, name).restype = args, res
+    monkeypatch.setattr(C.cpu_kernel, "_state", dict(lib=lib, error=None))
+    x = _values(4000)
+    for dt in CACHE_DTYPES:
+        kc, vc, kt, vt = _both_stores(C, x, dt, 13, 0.25, 1.0)
+        assert torch.equal(_bits(kc), _bits(kt)) and torch.equal(_bits(vc), _bits(vt)), dt
+    for dt in (torch.float16, torch.float8_e4m3fn, torch.float8_e5m2):
+        raw = torch.arange(2 ** (8 * dt.itemsize), dtype=torch.int32)
+        v = (raw.to(torch.uint8) if dt.itemsize == 1 else raw.to(torch.int16)).view(dt).view(-1, 1, 1, 64)
+        n, ok = v.shape[0], ~v.float().view(-1).isnan()
+        args = (torch.arange(n, dtype=torch.int32)[:, None], torch.ones(n, dtype=torch.int32),
+                torch.arange(n + 1, dtype=torch.int32), 0.125)
+        got = C.paged_attention_cpu(torch.randn(n, 1, 64), torch.zeros(v.shape, dtype=dt), v, *args, wide=False)
+        assert torch.equal(got.view(-1)[ok], v.float().view(-1)[ok]), dt
+
 # --- scales: from a checkpoint, or measured (calculate_kv_scales) ------------------------------------------------
 
 def _with_scales(path, scales):
@@ -293,6 +393,22 @@ def test_checkpoint_scales_are_read_and_applied(tmp_path):
         want = ([0.0625, 0.125], [1.0, 0.03125]) if name == "fp8" else ([1.0] * 2, [1.0] * 2)   # 16 bits: unscaled
         assert (a.k_scales, a.v_scales) == want
     assert len(outs["fp8"]) == 8
+
+def test_bfloat16_model_stores_through_cpp(tmp_path, monkeypatch):
+    "A model computing in bfloat16 (no C++ attention for it) stores its fp8 cache in C++, token-equal to torch's store."
+    from helpers import tiny_hf_model
+    import pagednb.runner as R
+    tiny_hf_model("llama", tmp_path)
+    parts = load_model(tmp_path, dtype="bfloat16", device="cpu")
+    sp = SamplingParams(temperature=0, max_tokens=12, min_tokens=12)
+    run = lambda: LLM(parts, log=False, max_model_len=128, kv_cache_dtype="fp8").generate(
+        [[5, 9, 30, 7, 2, 11], list(range(40, 80))], sp, use_tqdm=False)
+    calls, real = [], R.store_kv_cpu
+    monkeypatch.setattr(R, "store_kv_cpu", lambda *a, **k: calls.append(a[0].dtype) or real(*a, **k))
+    got = [o.outputs[0].token_ids for o in run()]
+    assert calls and set(calls) == {torch.bfloat16}
+    monkeypatch.setattr(R, "cpu_store_supports", lambda *a: False)                  # torch's store instead
+    assert [o.outputs[0].token_ids for o in run()] == got
 
 def test_checkpoint_scale_of_the_wrong_shape(tmp_path):
     from helpers import tiny_hf_model

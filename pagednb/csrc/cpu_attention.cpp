@@ -693,12 +693,153 @@ extern "C" int pagednb_paged_attention(float* out, const float* query, const voi
   return err;
 }
 
-// store_kv: token t's K and V rows (row floats each) into slot slots[t] of the caches; slot -1 is skipped.
-extern "C" void pagednb_store_kv_f32(float* k_cache, float* v_cache, const float* key, const float* value,
-                                     const int64_t* slots, int64_t T, int64_t row) {
-  for (int64_t t = 0; t < T; t++)
-    if (slots[t] >= 0) {
-      std::memcpy(k_cache + slots[t] * row, key + t * row, sizeof(float) * row);
-      std::memcpy(v_cache + slots[t] * row, value + t * row, sizeof(float) * row);
+// The slot-mapping store (vLLM's reshape_and_cache): token t's K and V rows go to slot slots[t] of the caches
+// (slot -1: padding, skipped), each element x / scale rounded to the cache's format in registers, 8 at a time, as
+// torch's `(x / scale).clamp(-largest, largest).to(dtype)` rounds it, bit for bit: to nearest, ties to even,
+// saturated at the format's largest finite value (a finite x never becomes inf; NaN stays NaN).
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+static inline u32x8 bits_of(v8 x) {
+  u32x8 u;
+  std::memcpy(&u, &x, sizeof u);
+  return u;
+}
+
+// |x| as float32 bits a (at most the format's largest value, or NaN) -> the bits of an N-bit float with M mantissa
+// bits and exponent bias B (FN: e4m3fn, whose only NaN is all ones), rounded to nearest even, in integer ops only.
+// A normal result drops 23 - M mantissa bits with a rounding add and rebiases the exponent; a subnormal one (below
+// the smallest normal, 2^(1 - B)) is the mantissa with its leading 1 shifted right so that its unit is
+// 2^(1 - B - M), rounded the same way: no denormal float on the way.
+template <int N, int M, int B, bool FN>
+static inline u32x8 from_float(u32x8 a) {
+  constexpr int S = 23 - M;
+  const u32x8 one = u32x8{} + 1, normal = ((a + ((1u << (S - 1)) - 1) + ((a >> S) & 1)) >> S) - ((127 - B) << M);
+  const u32x8 e = a >> 23, m = (a & 0x7fffff) | (e > 0 ? u32x8{} + 0x800000 : u32x8{});
+  u32x8 sh = (u32x8{} + (151 - B - M)) - (e > 0 ? e : one);  // m * 2^(e - 150) in units of 2^(1 - B - M): m >> sh
+  sh = sh > 30 ? u32x8{} + 30 : sh;                                 // beyond 30: m < 2^24 rounds to 0 anyway
+  const u32x8 q = m >> sh, rem = m & ((one << sh) - 1), half = one << (sh - 1);
+  const u32x8 up = (rem > half) | ((rem == half) & ((q & 1) == 1));  // -1 where rounding goes up
+  const u32x8 sub = q - up;
+  constexpr unsigned NAN_BITS = FN ? (1u << (N - 1)) - 1 : ((1u << (N - 1 - M)) - 1) << M | 1u << (M - 1);
+  const u32x8 r = a < ((128u - B) << 23) ? sub : normal;
+  return a > 0x7f800000u ? u32x8{} + NAN_BITS : r;
+}
+
+// x saturated at +-largest (NaN passes through: both comparisons are false)
+static inline v8 saturate(v8 x, float largest) {
+  x = x > largest ? splat(largest) : x;
+  return x < -largest ? splat(-largest) : x;
+}
+
+// Each format's `put`: 8 floats (x / scale, not yet saturated) stored at p, rounded to the format
+template <int N, int M, int B, bool FN, class S>
+static inline void put_small(S* p, v8 x, float largest) {
+  const u32x8 u = bits_of(saturate(x, largest));
+  const u32x8 r = from_float<N, M, B, FN>(u & 0x7fffffff) | ((u >> 31) << (N - 1));
+  typedef S out_t __attribute__((vector_size(8 * sizeof(S)), aligned(1)));
+  const out_t o = __builtin_convertvector(r, out_t);
+  std::memcpy(p, &o, sizeof o);
+}
+struct PutF32 {
+  typedef float S;
+  static void put(S* p, v8 x) { st(p, saturate(x, 3.40282347e38f)); }
+};
+struct PutBF16 {
+  typedef uint16_t S;
+  static void put(S* p, v8 x) {
+    const u32x8 u = bits_of(saturate(x, 3.38953139e38f)), a = u & 0x7fffffff;
+    const u32x8 r = (u + 0x7fff + ((u >> 16) & 1)) >> 16;       // to nearest even: the dropped half rounds up
+    const u32x8 out = a > 0x7f800000u ? ((u >> 16) & 0x8000) | 0x7fc0 : r;
+    const u16x8 o = __builtin_convertvector(out, u16x8);
+    std::memcpy(p, &o, sizeof o);
+  }
+};
+struct PutF16 {
+  typedef uint16_t S;
+#if defined(__F16C__)
+  static void put(S* p, v8 x) {
+    __m256 f;
+    const v8 y = saturate(x, 65504.f);
+    std::memcpy(&f, &y, sizeof f);
+    const __m128i h = _mm256_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    std::memcpy(p, &h, sizeof h);
+  }
+#else
+  static void put(S* p, v8 x) { put_small<16, 10, 15, false>(p, x, 65504.f); }
+#endif
+};
+struct PutE5M2 {
+  typedef uint8_t S;
+  static void put(S* p, v8 x) { put_small<8, 2, 15, false>(p, x, 57344.f); }
+};
+struct PutE4M3 {
+  typedef uint8_t S;
+  static void put(S* p, v8 x) { put_small<8, 3, 7, true>(p, x, 448.f); }
+};
+
+// One cache's rows: token t's row (row elements of format In) / scale into slot slots[t] of a cache of format Out.
+template <class In, class Out>
+static void store_rows(typename Out::S* cache, const typename In::S* x, const int64_t* slots, int64_t T,
+                       int64_t row, float scale) {
+  for (int64_t t = 0; t < T; t++) {
+    if (slots[t] < 0) continue;
+    typename Out::S* dst = cache + slots[t] * row;
+    const typename In::S* src = x + t * row;
+    int64_t i = 0;
+    for (; i + 8 <= row; i += 8) Out::put(dst + i, In::template load<v8>(src + i) / scale);
+    if (i < row) {                                 // the last row % 8 elements, through a zero-padded vector
+      typename In::S pad[8] = {};
+      typename Out::S res[8];
+      std::memcpy(pad, src + i, sizeof(pad[0]) * (row - i));
+      Out::put(res, In::template load<v8>(pad) / scale);
+      std::memcpy(dst + i, res, sizeof(res[0]) * (row - i));
     }
+  }
+}
+
+// Rows of `bytes` bytes copied as they are: a row already in the cache's format and unscaled (as torch's store, which
+// keeps even an inf there)
+static void copy_rows(char* cache, const char* x, const int64_t* slots, int64_t T, int64_t bytes) {
+  for (int64_t t = 0; t < T; t++)
+    if (slots[t] >= 0) std::memcpy(cache + slots[t] * bytes, x + t * bytes, bytes);
+}
+
+// Rows of format In into a cache of format `out` (as in pick: 0 float32, 1 float16, 2 bfloat16, 3 e4m3fn, 4 e5m2)
+template <class In>
+static int store_from(void* cache, const void* x, const int64_t* slots, int64_t T, int64_t row, int out, float s) {
+  const typename In::S* src = (const typename In::S*)x;
+  switch (out) {
+    case 0: store_rows<In, PutF32>((float*)cache, src, slots, T, row, s); return 0;
+    case 1: store_rows<In, PutF16>((uint16_t*)cache, src, slots, T, row, s); return 0;
+    case 2: store_rows<In, PutBF16>((uint16_t*)cache, src, slots, T, row, s); return 0;
+    case 3: store_rows<In, PutE4M3>((uint8_t*)cache, src, slots, T, row, s); return 0;
+    case 4: store_rows<In, PutE5M2>((uint8_t*)cache, src, slots, T, row, s); return 0;
+  }
+  return 2;
+}
+
+static int store_cache(void* cache, const void* x, const int64_t* slots, int64_t T, int64_t row, int in, int out,
+                       float scale) {
+  static const int64_t size[] = {4, 2, 2, 1, 1};
+  if (in == out && scale == 1.f && in >= 0 && in < 5) {
+    copy_rows((char*)cache, (const char*)x, slots, T, row * size[in]);
+    return 0;
+  }
+  switch (in) {
+    case 0: return store_from<F32>(cache, x, slots, T, row, out, scale);
+    case 1: return store_from<F16>(cache, x, slots, T, row, out, scale);
+    case 2: return store_from<BF16>(cache, x, slots, T, row, out, scale);
+  }
+  return 2;
+}
+
+// store_kv: token t's K and V rows (row elements of format `in`: 0 float32, 1 float16, 2 bfloat16) into slot
+// slots[t] of caches of format `out` (see pick), K as key / k_scale and V as value / v_scale; slot -1 is skipped.
+// 0: done; 2: no such pair of formats (nothing written).
+extern "C" int pagednb_store_kv(void* k_cache, void* v_cache, const void* key, const void* value,
+                                const int64_t* slots, int64_t T, int64_t row, int in, int out, float k_scale,
+                                float v_scale) {
+  if (in < 0 || in > 2 || out < 0 || out > 4) return 2;
+  store_cache(k_cache, key, slots, T, row, in, out, k_scale);
+  return store_cache(v_cache, value, slots, T, row, in, out, v_scale);
 }
