@@ -484,7 +484,10 @@ def _rates(text):
 
 def _also(texts, itl_pct=None) -> tuple:
     "The `--also-target TTFT,ITL` targets."
-    try: return tuple(Target(*map(float, t.split(",")), itl_pct) for t in texts)
+    def one(text):
+        ttft, itl = map(float, text.split(","))                         # exactly two numbers
+        return Target(ttft, itl, itl_pct)
+    try: return tuple(one(t) for t in texts)
     except (ValueError, TypeError) as e:
         raise ValueError(f"--also-target {texts!r} is invalid: give TTFT,ITL in seconds, e.g. 0.5,0.1 ({e})") from None
 
