@@ -302,21 +302,23 @@ def test_packed_linear_in_bfloat16():
 @pytest.mark.skipif(not BF16, reason="this CPU has no bfloat16 products (AVX512-BF16 or AMX)")
 def test_engine_with_bfloat16_products():
     "The embedded model with 16-bit products: every packed layer in bfloat16, next-token choices as float32's."
-    fp32 = LLM(log=False, num_gpu_blocks_override=64, max_model_len=256)
-    bf16 = LLM(log=False, num_gpu_blocks_override=64, max_model_len=256, matmul_dtype="bfloat16")
-    packed = [m for m in bf16.engine.model.modules() if isinstance(m, PackedLinear)]
-    assert packed and all(m.matmul_dtype == torch.bfloat16 for m in packed)
-    assert all(m.matmul_dtype == torch.float32 for m in fp32.engine.model.modules() if isinstance(m, PackedLinear))
+    parts = load_model()                                             # one model, packed again for each engine
     text = "A page table maps the blocks of a sequence to the physical pages of the KV cache, so that " * 4
-    ids = fp32.get_tokenizer()(text)["input_ids"]
+    ids = parts[1](text)["input_ids"]
     sp = SamplingParams(max_tokens=1, prompt_logprobs=1)
-    rows = [llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0].prompt_logprobs[1:] for llm in (fp32, bf16)]
-    top = [[next(t for t, lp in r.items() if lp.rank == 1) for r in rs] for rs in rows]
+    def rows(matmul_dtype):
+        llm = LLM(parts, log=False, num_gpu_blocks_override=64, max_model_len=256, matmul_dtype=matmul_dtype)
+        packed = [m.matmul_dtype for m in parts[0].modules() if isinstance(m, PackedLinear)]
+        assert packed and set(packed) == {torch.bfloat16 if matmul_dtype == "bfloat16" else torch.float32}
+        return llm.generate([{"prompt_token_ids": ids}], sp, use_tqdm=False)[0].prompt_logprobs[1:]
+    fp32, bf16, again = rows("auto"), rows("bfloat16"), rows("auto")
+    top = [[next(t for t, lp in r.items() if lp.rank == 1) for r in rs] for rs in (fp32, bf16)]
     agree = sum(a == b for a, b in zip(*top)) / len(top[0])
     assert 0.9 <= agree, agree
-    lp = [[r[t].logprob for r, t in zip(rs, ids[1:])] for rs in rows]
+    lp = [[r[t].logprob for r, t in zip(rs, ids[1:])] for rs in (fp32, bf16, again)]
     assert lp[0] != lp[1]                                            # the products did change: rounded, not skipped
     assert abs(sum(lp[1]) / sum(lp[0]) - 1) < 0.02                   # the text's log-likelihood within 2%
+    assert lp[2] == lp[0]                                            # packed back for float32: exactly as before
 
 def test_matmul_dtype_bad_input(monkeypatch):
     with pytest.raises(ValueError, match="matmul_dtype.*'auto', 'bfloat16'"): LLM(log=False, matmul_dtype="fp8")
