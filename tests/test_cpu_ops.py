@@ -302,7 +302,7 @@ def test_packed_linear_in_bfloat16():
 @pytest.mark.skipif(not BF16, reason="this CPU has no bfloat16 products (AVX512-BF16 or AMX)")
 def test_engine_with_bfloat16_products():
     "The embedded model with 16-bit products: every packed layer in bfloat16, next-token choices as float32's."
-    parts = load_model()                                             # one model, packed again for each engine
+    parts = load_model()                                  # one model, packed again for each engine
     text = "A page table maps the blocks of a sequence to the physical pages of the KV cache, so that " * 4
     ids = parts[1](text)["input_ids"]
     sp = SamplingParams(max_tokens=1, prompt_logprobs=1)
