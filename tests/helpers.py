@@ -81,3 +81,12 @@ def tiny_hybrid_model(family, path=None, seed=0):
             if n.endswith("norm.weight"): p.normal_(0.0 if "gemma" in family else 1.0, 0.3)
     if path is not None: m.save_pretrained(path)
     return m
+
+
+def prefill(bm, seq):
+    "Admit `seq` on block manager `bm` with its cached prefix, compute the rest at once and cache it; the hits."
+    hit = bm.get_computed_blocks(seq)
+    bm.allocate(seq, seq.num_tokens - len(hit) * bm.block_size, hit)
+    seq.num_computed_tokens = seq.num_tokens
+    bm.cache_blocks(seq, seq.num_tokens)
+    return hit

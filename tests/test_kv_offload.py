@@ -11,6 +11,7 @@ from pagednb.sampling import SamplingParams
 from pagednb.model import load_model, resolve_model
 from pagednb.engine_args import EngineArgs, add_cli_args, from_cli_args
 from pagednb.metrics import Exposition, _offload_metrics
+from helpers import prefill
 
 MAX_NEW = 8
 TOPICS = ["page tables", "the scheduler", "hash tables", "the TCP handshake"]
@@ -129,25 +130,18 @@ def test_tier_off_unchanged(parts, turns):
 
 # --- the books, worked by hand
 
-def admit(bm, seq):
-    hits = bm.get_computed_blocks(seq)
-    bm.allocate(seq, seq.num_tokens - len(hits)*bm.block_size, hits)
-    seq.num_computed_tokens = seq.num_tokens
-    bm.cache_blocks(seq, seq.num_tokens)
-    return hits
-
 def test_hits_per_tier_by_hand():
     "A's first block stays in the pool, its next two go to the tier; A again: 2 tokens from the pool, 4 from the tier."
     bm = OffloadingBlockManager(4, block_size=2, watermark=0, tier_blocks=6)
     a = Sequence(0, [1, 2, 3, 4, 5, 6, 7])
-    admit(bm, a); table = list(a.block_table); bm.deallocate(a)
+    prefill(bm, a); table = list(a.block_table); bm.deallocate(a)
     b = Sequence(1, [9, 9, 8, 8, 7])
-    admit(bm, b)
+    prefill(bm, b)
     t = bm.take_transfers()
     assert [blk for blk, _ in t.stores] == [table[2], table[1]]           # tail first, as deallocate freed them
     bm.deallocate(b)
     again = Sequence(2, [1, 2, 3, 4, 5, 6, 7])
-    hits = admit(bm, again)
+    hits = prefill(bm, again)
     assert hits[0] == table[0] and [type(h) for h in hits[1:]] == [TierHit, TierHit]
     assert bm.prefix_cache_stats.hits == 2 and bm.offload_stats["hits"] == 4
     assert bm.prefix_cache_stats.queries == 7 + 5 + 7 and bm.offload_stats["queries"] == 19
@@ -163,8 +157,8 @@ def test_stale_tier_hit_rejected():
     "A tier hit whose slot was reused since the lookup is refused, as a stale pool hit is."
     bm = OffloadingBlockManager(4, block_size=2, watermark=0, tier_blocks=1)
     a = Sequence(0, [1, 2, 3])
-    admit(bm, a); bm.deallocate(a)
-    admit(bm, Sequence(1, [5, 6, 7, 8, 9, 10, 11]))          # evicts A's block into the tier's one slot
+    prefill(bm, a); bm.deallocate(a)
+    prefill(bm, Sequence(1, [5, 6, 7, 8, 9, 10, 11]))          # evicts A's block into the tier's one slot
     again = Sequence(2, [1, 2, 3])
     hits = bm.get_computed_blocks(again)
     assert isinstance(hits[0], TierHit)

@@ -10,13 +10,7 @@ from pagednb.block_manager import BlockManager, InvalidBlockError, NoFreeBlocksE
 from pagednb.prefix_cache import (PrefixCachingBlockManager, compute_block_hashes, hash_block, make_block_manager,
                                   replay_requests)
 
-
-def prefill(bm, seq):
-    hit = bm.get_computed_blocks(seq)
-    bm.allocate(seq, seq.num_tokens - len(hit) * bm.block_size, hit)
-    seq.num_computed_tokens = seq.num_tokens
-    bm.cache_blocks(seq, seq.num_tokens)
-    return hit
+from helpers import prefill
 
 
 # --- hashing ---
