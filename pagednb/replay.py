@@ -97,6 +97,11 @@ class RequestResult:
     @property
     def itls(self): return [b - a for a, b in zip(self.times, self.times[1:])]
     @property
+    def tpot(self):
+        "Seconds per output token after the first: a chunk that carries two tokens counts as two."
+        n = max(self.output_tokens, len(self.times))          # the usage's count, else one token per chunk
+        return (self.times[-1] - self.times[0]) / (n - 1) if n > 1 and self.times else 0.0
+    @property
     def ok(self): return self.error is None and self.latency is not None and bool(self.times)
 
 # %% ../nbs/09h_replay.ipynb #rp-take
@@ -113,8 +118,8 @@ def take(self: RequestResult, event: dict, now: float):
 # %% ../nbs/09h_replay.ipynb #rp-stub
 class StubServer:
     "A fake OpenAI server on loopback that streams fake tokens and records every completion request it gets."
-    def __init__(self, ttft=0.01, itl=0.005, block_size=16):
-        self.ttft, self.itl, self.block_size = ttft, itl, block_size
+    def __init__(self, ttft=0.01, itl=0.005, block_size=16, tokens_per_chunk=1):
+        self.ttft, self.itl, self.block_size, self.per_chunk = ttft, itl, block_size, tokens_per_chunk
         self.received, self.busy, self.seen = [], 0, set()     # (time.perf_counter(), body) of each completion
     def __enter__(self):
         ready, self.loop = threading.Event(), asyncio.new_event_loop()
@@ -176,7 +181,7 @@ def _cached(self: StubServer, ids) -> int:
 
 @patch
 async def _complete(self: StubServer, body, writer):
-    "Stream `max_tokens` chunks (the first after `ttft` s, then every `itl` s), the usage, and `[DONE]`."
+    "Stream `max_tokens` tokens (the first after `ttft` s, then one every `itl` s) in chunks, the usage, `[DONE]`."
     self.received.append((time.perf_counter(), body))
     ids, n, self.busy = body["prompt"], body["max_tokens"], self.busy + 1
     pace = lambda x: x(self.busy) if callable(x) else x
@@ -184,6 +189,7 @@ async def _complete(self: StubServer, body, writer):
         writer.write(_http_head(200, "text/event-stream"))
         for i in range(n):
             await asyncio.sleep(pace(self.ttft if i == 0 else self.itl))
+            if i > 0 and i % self.per_chunk != 0 and i < n - 1: continue    # held for the next chunk
             writer.write(_sse({"choices": [{"index": 0, "text": f" t{i}", "finish_reason": None}]}))
             await writer.drain()
         details = {"cached_tokens": self._cached(ids)}
@@ -292,10 +298,10 @@ class Target:
 
 # %% ../nbs/09h_replay.ipynb #rp-meets
 def request_itl(r, pct=None) -> float:
-    "The ITL of request `r` held against the target: the mean of its gaps (TPOT), or their `pct` percentile."
+    "The ITL of request `r` held against the target: its time per output token (TPOT), or a percentile of its gaps."
+    if pct is None: return r.tpot
     gaps = r.itls
-    if not gaps: return 0.0
-    return float(np.mean(gaps) if pct is None else np.percentile(gaps, pct))
+    return float(np.percentile(gaps, pct)) if gaps else 0.0
 
 @patch
 def meets(self: Target, r) -> bool:
