@@ -287,14 +287,15 @@ class Target:
     "A latency target (DistServe's SLOs): TTFT and ITL in seconds, to be met by a share `attainment` of requests."
     ttft: float = 1.0
     itl: float = 0.1
-    itl_pct: float | None = None        # a request's ITL: the mean of its gaps (TPOT), or this percentile of them
+    itl_pct: float | None = None        # a request's ITL: its time per output token, or this percentile of its gaps
     attainment: float = 0.9
     def __post_init__(self):
         for k in ("ttft", "itl"): _number(k, getattr(self, k), "a number of seconds > 0")
         if not (isinstance(self.attainment, (int, float)) and 0 < self.attainment <= 1):
             raise ValueError(f"attainment={self.attainment!r} is invalid: it must be a share in (0, 1]")
         if self.itl_pct is not None and not (isinstance(self.itl_pct, (int, float)) and 0 <= self.itl_pct <= 100):
-            raise ValueError(f"itl_pct={self.itl_pct!r} is invalid: give a percentile in [0, 100] or None (the mean)")
+            raise ValueError(f"itl_pct={self.itl_pct!r} is invalid: give a percentile in [0, 100] "
+                             "or None (time per output token)")
 
 # %% ../nbs/09h_replay.ipynb #rp-meets
 def request_itl(r, pct=None) -> float:
@@ -440,7 +441,7 @@ def side_by_side(workload, target=Target(), rates=None, vllm_python=None, vllm_d
 def format_replay(result) -> str:
     "The side-by-side table: each server's goodput, then attainment, TTFT, ITL and prefix hits at every rate."
     t, rows = result["target"], []
-    itl = "mean ITL" if t["itl_pct"] is None else f"ITL p{t['itl_pct']:g}"
+    itl = "ITL per token" if t["itl_pct"] is None else f"ITL p{t['itl_pct']:g}"
     head = [f"## Replay: {result['workload']}; target TTFT <= {t['ttft']} s and {itl} <= {t['itl']} s "
             f"for {t['attainment']:.0%} of requests"]
     for name, s in result["servers"].items():
@@ -464,8 +465,10 @@ def add_replay_args(p):
                                  "then vllm serve, and sweep both)")
     g.add_argument("--allow-remote", action="store_true", help="allow a --url that is not on this machine")
     g.add_argument("--ttft", type=float, default=1.0, help="TTFT target in seconds (default 1.0)")
-    g.add_argument("--itl", type=float, default=0.1, help="ITL target in seconds, a request's mean gap (default 0.1)")
-    g.add_argument("--itl-pct", type=float, help="hold this percentile of a request's gaps to --itl, not their mean")
+    g.add_argument("--itl", type=float, default=0.1,
+                   help="ITL target in seconds, a request's time per output token (default 0.1)")
+    g.add_argument("--itl-pct", type=float,
+                   help="hold this percentile of a request's gaps between chunks to --itl, not its time per token")
     g.add_argument("--also-target", action="append", metavar="TTFT,ITL", default=[],
                    help="a further target, read off the same sweep (repeatable), e.g. 0.5,0.1")
     _add_replay_sizes(g)
