@@ -187,10 +187,13 @@ async def _complete(self: StubServer, body, writer):
     pace = lambda x: x(self.busy) if callable(x) else x
     try:
         writer.write(_http_head(200, "text/event-stream"))
+        held = []
         for i in range(n):
             await asyncio.sleep(pace(self.ttft if i == 0 else self.itl))
-            if i > 0 and i % self.per_chunk != 0 and i < n - 1: continue    # held for the next chunk
-            writer.write(_sse({"choices": [{"index": 0, "text": f" t{i}", "finish_reason": None}]}))
+            held.append(f" t{i}")
+            if 0 < i < n - 1 and i % self.per_chunk: continue            # held for the next chunk
+            writer.write(_sse({"choices": [{"index": 0, "text": "".join(held), "finish_reason": None}]}))
+            held = []
             await writer.drain()
         details = {"cached_tokens": self._cached(ids)}
         usage = dict(prompt_tokens=len(ids), completion_tokens=n, prompt_tokens_details=details)
