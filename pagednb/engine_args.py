@@ -14,7 +14,7 @@ __all__ = ['KV_OFFLOADING_BACKENDS', 'PREFIX_CACHING_HASH_ALGOS', 'DTYPES', 'KV_
 import argparse, difflib, json, math, os, re
 from dataclasses import dataclass, field, fields
 from .block_manager import check_block_size
-from .scheduler import SchedulerConfig
+from .scheduler import SchedulerConfig, SCHEDULING_POLICIES
 from .vllm_events import HASH_ALGOS, kv_events_config
 
 # %% ../nbs/05a_engine_args.ipynb #ab2f7431
@@ -205,6 +205,9 @@ _HELP = dict(
                           "--gpu-memory-utilization on a GPU; min(4GiB, half the free RAM) on a CPU)",
     max_num_batched_tokens="token budget of one step, e.g. 2048 or 2K (default 2048, "
                            "or max_model_len without chunked prefill)",
+    scheduling_policy="which waiting request comes in next: fcfs (first come, first served; vLLM's default) or "
+                      "shortest (the fewest prompt tokens first, each passed over at most 16 times); vLLM's "
+                      "priority needs request priorities, which pagednb does not take",
     long_prefill_token_threshold="most tokens of one prompt in a step; 0: no cap (vLLM's default) "
                                  "(default: half the budget for a running prompt while another request waits)",
     kv_cache_dtype="the KV cache's storage dtype: auto (the model's dtype), float16, bfloat16, fp8 (= fp8_e4m3), "
@@ -273,6 +276,8 @@ class EngineArgs:
     max_num_seqs: int = knob(256, "most sequences in one step", at_least(1), type=positive_int)
     long_prefill_token_threshold: int | None = knob(None, _HELP["long_prefill_token_threshold"],
                                                     at_least(0, none="pagednb's share"), type=int)
+    scheduling_policy: str = knob("fcfs", _HELP["scheduling_policy"], one_of(SCHEDULING_POLICIES),
+                                  choices=SCHEDULING_POLICIES)
     max_logprobs: int = knob(20, "most logprobs a request may ask for per token; -1 for no limit",
                              _max_logprobs, type=int)
     speculative_config: dict | None = knob(None, _HELP["speculative_config"], type=json_value)
@@ -351,7 +356,7 @@ def scheduler_config(args: EngineArgs, max_position_embeddings: int) -> Schedule
     budget = args.max_num_batched_tokens
     if budget is None: budget = 2048 if args.enable_chunked_prefill else max(2048, L)
     return SchedulerConfig(budget, args.max_num_seqs, L, args.enable_chunked_prefill,
-                           args.long_prefill_token_threshold)
+                           args.long_prefill_token_threshold, args.scheduling_policy)
 
 # %% ../nbs/05a_engine_args.ipynb #ea-flag
 def _flag_kwargs(f, defaults=True) -> dict:

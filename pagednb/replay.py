@@ -12,7 +12,7 @@ __all__ = ['SALT', 'NOT_SENT', 'INCOMPLETE', 'VLLM_REPLAY_FLAGS', 'RUN_KEYS', 'c
            'replay_options', 'load_workload', 'one_run', 'bench_replay', 'replay_json_lines']
 
 # %% ../nbs/09h_replay.ipynb #rp-imports
-import asyncio, concurrent.futures, ipaddress, json, math, os, random, re, threading, time
+import asyncio, concurrent.futures, ipaddress, json, math, os, random, re, shlex, threading, time
 from dataclasses import asdict, dataclass, field
 from urllib.parse import urlsplit
 import numpy as np
@@ -402,11 +402,11 @@ def plot_attainment(sweeps: dict, title=None):
 VLLM_REPLAY_FLAGS = ["--enable-prompt-tokens-details"]       # vLLM reports cached prompt tokens only with it
 
 def serve_and_sweep(engine, workload, target=Target(), rates=None, python=None, model=None, threads=2, kv_gib=1,
-                    max_model_len=2048, knobs=None, dtype="float32", **kw) -> dict:
+                    max_model_len=2048, knobs=None, dtype="float32", flags=(), **kw) -> dict:
     "Start `engine`'s server (`ServerProcess`), sweep `workload` on it, stop it: the sweep, or a `skipped` record."
     sp = ServerProcess(engine, resolve_model_path(model), threads=threads, kv_gib=kv_gib, python=python,
                        max_model_len=max_model_len, knobs=knobs if engine == "pagednb" else None, dtype=dtype)
-    if engine == "vllm": sp.cmd += VLLM_REPLAY_FLAGS
+    if engine == "vllm": sp.cmd += VLLM_REPLAY_FLAGS + list(flags)
     try:
         with sp as s:
             warm_up(s.url)
@@ -426,8 +426,9 @@ def fit_workload(workload, max_model_len) -> Workload:
     return Workload(fit, name=workload.name + (f" ({cut} longer than {max_model_len} tokens left out)" if cut else ""))
 
 # %% ../nbs/09h_replay.ipynb #rp-sbs
-def side_by_side(workload, target=Target(), rates=None, vllm_python=None, vllm_dtypes=("float32",), **kw) -> dict:
-    "`pagednb serve`, then `vllm serve` at each of `vllm_dtypes` (if a vLLM venv is given), on the same workload."
+def side_by_side(workload, target=Target(), rates=None, vllm_python=None, vllm_dtypes=("float32",), vllm_flags=(),
+                 **kw) -> dict:
+    "`pagednb serve`, then `vllm serve` at each of `vllm_dtypes`, then with each of `vllm_flags` (given a vLLM venv)."
     vllm_python, knobs = find_vllm_python(vllm_python), kw.pop("knobs", None)
     kw["max_model_len"] = (knobs or {}).get("max_model_len", kw.get("max_model_len", 2048))     # the same for both
     workload = fit_workload(workload, kw["max_model_len"])
@@ -438,6 +439,10 @@ def side_by_side(workload, target=Target(), rates=None, vllm_python=None, vllm_d
         name = "vllm serve" if d == "float32" else f"vllm serve ({d})"
         run = vllm_python and serve_and_sweep("vllm", workload, target, rates, python=vllm_python, dtype=d, **kw)
         servers[name] = run or dict(engine="vllm", skipped=why)
+    for f in vllm_flags:                                                       # vLLM tuned: its best setting
+        run = vllm_python and serve_and_sweep("vllm", workload, target, rates, python=vllm_python,
+                                              dtype=vllm_dtypes[0], flags=f, **kw)
+        servers[f"vllm serve ({' '.join(f)})"] = run or dict(engine="vllm", skipped=why)
     return dict(workload=workload.describe(), target=asdict(target), machine=machine_info(), servers=servers)
 
 # %% ../nbs/09h_replay.ipynb #rp-format
@@ -472,6 +477,9 @@ def add_replay_args(p):
                    help="ITL target in seconds, a request's time per output token (default 0.1)")
     g.add_argument("--itl-pct", type=float,
                    help="hold this percentile of a request's gaps between chunks to --itl, not its time per token")
+    g.add_argument("--vllm-flags", action="append", metavar="FLAGS", default=[],
+                   help="one more vllm serve in the side-by-side, with these flags (repeatable), "
+                        "e.g. '--max-num-batched-tokens 256'")
     g.add_argument("--also-target", action="append", metavar="TTFT,ITL", default=[],
                    help="a further target, read off the same sweep (repeatable), e.g. 0.5,0.1")
     _add_replay_sizes(g)
@@ -503,6 +511,14 @@ def _also(texts, itl_pct=None) -> tuple:
     except (ValueError, TypeError) as e:
         raise ValueError(f"--also-target {texts!r} is invalid: give TTFT,ITL in seconds, e.g. 0.5,0.1 ({e})") from None
 
+def _vllm_flags(texts) -> tuple:
+    "The `--vllm-flags` values, each split as a shell would; every one must start with a flag."
+    flags = tuple(tuple(shlex.split(t)) for t in texts)
+    for t, f in zip(texts, flags):
+        if not f or not f[0].startswith("--"):
+            raise ValueError(f"--vllm-flags {t!r} is invalid: give vllm serve flags, e.g. '--max-num-batched-tokens 256'")
+    return flags
+
 def replay_options(a) -> dict:
     "`--only replay`'s options, checked: a bad one raises a `ValueError` that names its flag."
     flags = dict(ttft="--ttft", itl="--itl", itl_pct="--itl-pct", time_scale="--time-scale", deadline="--deadline",
@@ -518,8 +534,9 @@ def replay_options(a) -> dict:
     sizes = dict(max_requests=a.max_requests, sample=a.sample, length_scale=a.length_scale)
     vllm_dtypes = tuple(getattr(a, "vllm_dtype", None) or ("float32",))      # `pagednb bench --vllm-dtype`
     also = _also(getattr(a, "also_target", []), a.itl_pct)
+    vllm_flags = _vllm_flags(getattr(a, "vllm_flags", []))
     return dict(trace=a.trace, url=a.url, allow_remote=a.allow_remote, target=target, rates=_rates(a.rates),
-                vllm_dtypes=vllm_dtypes, also=also, sweep=a.rates is not None, time_scale=a.time_scale, bisect=a.bisect,
+                vllm_dtypes=vllm_dtypes, vllm_flags=vllm_flags, also=also, sweep=a.rates is not None, time_scale=a.time_scale, bisect=a.bisect,
                 deadline=a.deadline, **sizes)
 
 # %% ../nbs/09h_replay.ipynb #rp-load
@@ -546,6 +563,7 @@ def bench_replay(opts, vllm_python=None, model=None, threads=2, knobs=None, on_r
     if opts["url"] is None:
         return side_by_side(w, opts["target"], opts["rates"], vllm_python, model=model, threads=threads,
                             knobs=knobs, bisect=opts["bisect"], vllm_dtypes=opts.get("vllm_dtypes", ("float32",)),
+                            vllm_flags=opts.get("vllm_flags", ()),
                             **kw, **also)
     url, target, kw["allow_remote"] = opts["url"], opts["target"], opts["allow_remote"]
     s = (sweep_replay(w, url, target, opts["rates"], opts["bisect"], **kw, **also) if opts["sweep"]

@@ -48,6 +48,9 @@ CASES = {
     "no_chunking": dict(max_model_len=1024, enable_chunked_prefill=False),
     "preemption": dict(max_model_len=192, num_gpu_blocks_override=24, max_num_batched_tokens=128),
     "block_size_8": dict(max_model_len=1024, block_size=8),
+    "shortest_first": dict(max_model_len=1024, max_num_batched_tokens=32, scheduling_policy="shortest"),
+    "shortest_preemption": dict(max_model_len=192, num_gpu_blocks_override=24, max_num_batched_tokens=128,
+                                scheduling_policy="shortest"),
 }
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -56,7 +59,7 @@ def test_greedy_matches_hf(case, parts, prompts, reference):
     assert got == reference
     m = llm.get_metrics()
     if case == "prefix_caching_off": assert m["prefix_cache_hits"] == 0
-    if case == "preemption": assert m["num_preemptions"] > 0
+    if "preemption" in case: assert m["num_preemptions"] > 0
 
 def test_prefix_cache_hits_skip_work(parts, prompts, reference):
     llm = LLM(parts, log=False, max_model_len=1024)
@@ -203,3 +206,20 @@ def test_a_long_prompt_shares_the_budget(parts):
     assert _first_token_steps(parts, 0) == 4
     # vLLM's fixed cap
     assert _first_token_steps(parts, 32) == 1
+
+
+def _first_tokens(parts, policy, lens=(300, 20, 150, 40)):
+    "The order in which requests of these prompt lengths, arriving together, get their first token."
+    eng = LLM(parts, log=False, max_num_batched_tokens=64, scheduling_policy=policy).engine
+    greedy = SamplingParams(temperature=0, max_tokens=2)
+    for i, n in enumerate(lens):
+        eng.add_request(f"r{i}", dict(prompt_token_ids=list(range(100 + i, 100 + i + n))), greedy)
+    order = []
+    while eng.has_unfinished_requests():
+        order += [o.request_id for o in eng.step() if o.outputs[0].token_ids and o.request_id not in order]
+    return order
+
+def test_shortest_first_on_a_burst(parts):
+    assert _first_tokens(parts, "shortest") == ["r1", "r3", "r2", "r0"]
+    # first come, first served: the 40-token prompt, last to arrive, waits for the 300- and 150-token ones
+    assert _first_tokens(parts, "fcfs") == ["r1", "r2", "r0", "r3"]

@@ -136,7 +136,8 @@ def test_bench_cli_json_lines():
 
 @pytest.mark.parametrize("argv,match", [(["--time-scale", "-1"], "--time-scale"), (["--ttft", "0"], "--ttft"),
                                         (["--trace", "/nonexistent.jsonl"], "no such file"),
-                                        (["--url", "http://10.0.0.1:80"], "loopback")])
+                                        (["--url", "http://10.0.0.1:80"], "loopback"),
+                                        (["--vllm-flags", "256"], "--vllm-flags '256' is invalid")])
 def test_bench_cli_bad_options(argv, match, capsys):
     from pagednb.bench_cli import main
     with pytest.raises(SystemExit): main(["--only", "replay", *argv])
@@ -169,6 +170,11 @@ def test_side_by_side_gives_both_servers_the_same_rates_and_length(monkeypatch):
     assert kw1["max_model_len"] == kw2["max_model_len"] == 1024
     assert kw1["knobs"]["block_size"] == 32 and "knobs" not in kw2
     assert set(out["servers"]) == {"pagednb serve", "vllm serve"}
+    calls.clear()
+    out = R.side_by_side(w, Target(), vllm_python=R.__file__, vllm_flags=(("--max-num-batched-tokens", "256"),))
+    assert [c[0] for c in calls] == ["pagednb", "vllm", "vllm"] and "flags" not in calls[1][3]
+    assert calls[2][3]["flags"] == ("--max-num-batched-tokens", "256") and calls[2][2] == r1
+    assert list(out["servers"]) == ["pagednb serve", "vllm serve", "vllm serve (--max-num-batched-tokens 256)"]
     monkeypatch.setattr(R, "find_vllm_python", lambda p: None)
     assert "skipped" in R.side_by_side(w, Target())["servers"]["vllm serve"]
 
