@@ -388,3 +388,10 @@ def test_prediction_at_the_speed_timed_beside_the_run(monkeypatch):
     assert abs(held["output_throughput_error"]) < 0.01 and held["speed"] == 1.25
     assert abs(held["band"] - 0.1/2.5) < 1e-12                         # half the probes' change: 4%
     assert "speed" in S.format_validation([held]) and "speed" not in S.format_validation([plain])
+
+def test_scheduling_policy_reaches_the_simulator():
+    "`scheduling_policy='shortest'` predicts earlier median first tokens than `fcfs` on a burst of mixed prompts."
+    burst = S.Workload([S.SimRequest(n, 4, 0.0) for n in (1200, 900, 60, 700, 40, 1000, 80, 50)])
+    p50 = {p: A100(scheduling_policy=p, max_num_batched_tokens=256).run(burst).metrics["ttft_p50"]
+           for p in ("fcfs", "shortest")}
+    assert p50["shortest"] < 0.7 * p50["fcfs"]
