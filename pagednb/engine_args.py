@@ -14,7 +14,7 @@ __all__ = ['KV_OFFLOADING_BACKENDS', 'PREFIX_CACHING_HASH_ALGOS', 'DTYPES', 'KV_
 import argparse, difflib, json, math, os, re
 from dataclasses import dataclass, field, fields
 from .block_manager import check_block_size
-from .scheduler import SchedulerConfig, SCHEDULING_POLICIES
+from .scheduler import SchedulerConfig, SCHEDULING_POLICIES, MAX_PASSED_OVER
 from .vllm_events import HASH_ALGOS, kv_events_config
 
 # %% ../nbs/05a_engine_args.ipynb #ab2f7431
@@ -206,8 +206,8 @@ _HELP = dict(
     max_num_batched_tokens="token budget of one step, e.g. 2048 or 2K (default 2048, "
                            "or max_model_len without chunked prefill)",
     scheduling_policy="which waiting request comes in next: fcfs (first come, first served; vLLM's default) or "
-                      "shortest (the fewest prompt tokens first, each passed over at most 16 times); vLLM's "
-                      "priority needs request priorities, which pagednb does not take",
+                      f"shortest (the fewest prompt tokens first, each passed over at most {MAX_PASSED_OVER} times); "
+                      "vLLM's priority needs request priorities, which pagednb does not take",
     long_prefill_token_threshold="most tokens of one prompt in a step; 0: no cap (vLLM's default) "
                                  "(default: half the budget for a running prompt while another request waits)",
     kv_cache_dtype="the KV cache's storage dtype: auto (the model's dtype), float16, bfloat16, fp8 (= fp8_e4m3), "

@@ -426,6 +426,11 @@ def fit_workload(workload, max_model_len) -> Workload:
     return Workload(fit, name=workload.name + (f" ({cut} longer than {max_model_len} tokens left out)" if cut else ""))
 
 # %% ../nbs/09h_replay.ipynb #rp-sbs
+def _vllm_servers(dtypes, flags) -> list:
+    "(name, `serve_and_sweep` keywords) of each vLLM server: one per dtype, then one per set of `--vllm-flags`."
+    runs = [("vllm serve" if d == "float32" else f"vllm serve ({d})", dict(dtype=d)) for d in dtypes]
+    return runs + [(f"vllm serve ({' '.join(f)})", dict(dtype=dtypes[0], flags=f)) for f in flags]
+
 def side_by_side(workload, target=Target(), rates=None, vllm_python=None, vllm_dtypes=("float32",), vllm_flags=(),
                  **kw) -> dict:
     "`pagednb serve`, then `vllm serve` at each of `vllm_dtypes`, then with each of `vllm_flags` (given a vLLM venv)."
@@ -435,14 +440,9 @@ def side_by_side(workload, target=Target(), rates=None, vllm_python=None, vllm_d
     rates = rates or default_rates(workload, kw.get("max_requests"))                             # the same for both
     servers = {"pagednb serve": serve_and_sweep("pagednb", workload, target, rates, knobs=knobs, **kw)}
     why = "no vLLM venv: pass --vllm-python PATH or set $PAGEDNB_VLLM_PYTHON"
-    for d in vllm_dtypes:                                                              # vLLM keeps its own defaults
-        name = "vllm serve" if d == "float32" else f"vllm serve ({d})"
-        run = vllm_python and serve_and_sweep("vllm", workload, target, rates, python=vllm_python, dtype=d, **kw)
+    for name, how in _vllm_servers(vllm_dtypes, vllm_flags):                 # vLLM keeps its own defaults
+        run = vllm_python and serve_and_sweep("vllm", workload, target, rates, python=vllm_python, **how, **kw)
         servers[name] = run or dict(engine="vllm", skipped=why)
-    for f in vllm_flags:                                                       # vLLM tuned: its best setting
-        run = vllm_python and serve_and_sweep("vllm", workload, target, rates, python=vllm_python,
-                                              dtype=vllm_dtypes[0], flags=f, **kw)
-        servers[f"vllm serve ({' '.join(f)})"] = run or dict(engine="vllm", skipped=why)
     return dict(workload=workload.describe(), target=asdict(target), machine=machine_info(), servers=servers)
 
 # %% ../nbs/09h_replay.ipynb #rp-format
@@ -536,8 +536,8 @@ def replay_options(a) -> dict:
     also = _also(getattr(a, "also_target", []), a.itl_pct)
     vllm_flags = _vllm_flags(getattr(a, "vllm_flags", []))
     return dict(trace=a.trace, url=a.url, allow_remote=a.allow_remote, target=target, rates=_rates(a.rates),
-                vllm_dtypes=vllm_dtypes, vllm_flags=vllm_flags, also=also, sweep=a.rates is not None, time_scale=a.time_scale, bisect=a.bisect,
-                deadline=a.deadline, **sizes)
+                vllm_dtypes=vllm_dtypes, vllm_flags=vllm_flags, also=also, sweep=a.rates is not None,
+                time_scale=a.time_scale, bisect=a.bisect, deadline=a.deadline, **sizes)
 
 # %% ../nbs/09h_replay.ipynb #rp-load
 def load_workload(trace=None, max_requests=None, sample=None, length_scale=1.0, seed=0) -> Workload:

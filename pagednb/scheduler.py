@@ -132,7 +132,7 @@ def _check_scheduler_config(c):
         raise ValueError(f"long_prefill_token_threshold must be None (pagednb's share), 0 (no cap, vLLM's default) "
                          f"or a positive number of tokens, got {t!r}")
     if c.scheduling_policy not in SCHEDULING_POLICIES:
-        raise ValueError(f"scheduling_policy must be 'fcfs' or 'shortest' (vLLM's 'priority' needs request "
+        raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES} (vLLM's 'priority' needs request "
                          f"priorities, which pagednb does not take), got {c.scheduling_policy!r}")
 
 # %% ../nbs/05_scheduler.ipynb #fc539e88
