@@ -489,6 +489,7 @@ def _add_replay_sizes(g):
     "The options that fit a trace to this machine, and the sweep's."
     g.add_argument("--max-requests", type=int, help="replay the first N requests of the workload")
     g.add_argument("--sample", type=int, help="a seeded random sample of N requests of the trace")
+    g.add_argument("--sessions", type=int, help="a seeded random sample of N conversations of the trace, every turn kept")
     g.add_argument("--length-scale", type=float, default=1.0,
                    help="multiply the trace's prompt and output lengths by this (0.1: ten times shorter)")
     g.add_argument("--time-scale", type=float, default=1.0, help="multiply every arrival time (2: half the rate)")
@@ -522,16 +523,19 @@ def _vllm_flags(texts) -> tuple:
 def replay_options(a) -> dict:
     "`--only replay`'s options, checked: a bad one raises a `ValueError` that names its flag."
     flags = dict(ttft="--ttft", itl="--itl", itl_pct="--itl-pct", time_scale="--time-scale", deadline="--deadline",
-                 length_scale="--length-scale", max_requests="--max-requests", sample="--sample", bisect="--bisect")
+                 length_scale="--length-scale", max_requests="--max-requests", sample="--sample", bisect="--bisect",
+                 sessions="--sessions")
     try:
         target = Target(a.ttft, a.itl, a.itl_pct)
-        for k in ("time_scale", "deadline", "length_scale", "max_requests", "sample"): _number(k, getattr(a, k))
+        for k in ("time_scale", "deadline", "length_scale", "max_requests", "sample", "sessions"):
+            _number(k, getattr(a, k))
+        if a.sample and a.sessions: raise ValueError(f"sample={a.sample} is invalid with --sessions: give one")
         if a.bisect < 0: raise ValueError(f"bisect={a.bisect} is invalid: it must be >= 0")
     except ValueError as e: raise ValueError(f"{flags[str(e).split('=')[0]]}: {e}") from None
     if a.trace not in (None, "mooncake") and not os.path.exists(a.trace):
         raise ValueError(f"--trace {a.trace}: no such file (give a Mooncake-format JSONL file, or 'mooncake')")
     if a.url: check_url(a.url, a.allow_remote)
-    sizes = dict(max_requests=a.max_requests, sample=a.sample, length_scale=a.length_scale)
+    sizes = dict(max_requests=a.max_requests, sample=a.sample, sessions=a.sessions, length_scale=a.length_scale)
     vllm_dtypes = tuple(getattr(a, "vllm_dtype", None) or ("float32",))      # `pagednb bench --vllm-dtype`
     also = _also(getattr(a, "also_target", []), a.itl_pct)
     vllm_flags = _vllm_flags(getattr(a, "vllm_flags", []))
@@ -540,12 +544,13 @@ def replay_options(a) -> dict:
                 time_scale=a.time_scale, bisect=a.bisect, deadline=a.deadline, **sizes)
 
 # %% ../nbs/09h_replay.ipynb #rp-load
-def load_workload(trace=None, max_requests=None, sample=None, length_scale=1.0, seed=0) -> Workload:
+def load_workload(trace=None, max_requests=None, sample=None, length_scale=1.0, seed=0, sessions=None) -> Workload:
     "The workload of `--trace` (`mooncake`: the trace shipped with pagednb), else the multi-turn chats."
     chats = dict(turns=4, system_len=128, user_len=48, output_len=32, think_time=3.0, rate=1.0)
     if trace is None: return sim.chat_sessions(8, **chats)
     if trace == "mooncake": trace = sim.mooncake_trace_path()
-    return sim.load_trace(trace, max_requests=max_requests, sample=sample, seed=seed, length_scale=length_scale)
+    return sim.load_trace(trace, max_requests=max_requests, sample=sample, seed=seed, length_scale=length_scale,
+                          sessions=sessions)
 
 # %% ../nbs/09h_replay.ipynb #rp-one-run
 def one_run(workload, url, target=Target(), time_scale=1.0, on_run=None, **kw) -> dict:
@@ -557,7 +562,8 @@ def one_run(workload, url, target=Target(), time_scale=1.0, on_run=None, **kw) -
 # %% ../nbs/09h_replay.ipynb #rp-bench
 def bench_replay(opts, vllm_python=None, model=None, threads=2, knobs=None, on_run=None) -> dict:
     "`--only replay`: the workload against `opts['url']` (one run, or a sweep), or the two servers side by side."
-    w = load_workload(opts["trace"], opts["max_requests"], opts["sample"], opts["length_scale"])
+    w = load_workload(opts["trace"], opts["max_requests"], opts["sample"], opts["length_scale"],
+                      sessions=opts.get("sessions"))
     kw = dict(max_requests=opts["max_requests"], deadline=opts["deadline"], on_run=on_run)
     also = dict(also=opts.get("also", ()))                                   # further targets: sweeps only
     if opts["url"] is None:

@@ -1005,8 +1005,24 @@ def _scaled_len(L, bs, B, scale) -> int:
     return full*B + (min(B, max(1, round(last*scale))) if last else 0)
 
 # %% ../nbs/09a_capacity.ipynb #sim-trace-pick
-def _pick(recs, max_requests, sample, seed) -> list:
-    "The records kept: a random `sample` (a fraction, or a count) in their order, then the first `max_requests`."
+def _conversation(rec, i):
+    "Record `i`'s conversation: its first two block ids (the trace opens every prompt with its block 0), else its own."
+    ids = rec[3]
+    return tuple(ids[:2]) if len(ids) > 1 else ("alone", i)
+
+def _sessions(recs, n, seed) -> list:
+    "The records of `n` conversations drawn at random (seeded), every turn of each kept, in the trace's order."
+    keys = [_conversation(r, i) for i, r in enumerate(recs)]
+    talks = list(dict.fromkeys(keys))                                       # first-seen order: the same every run
+    drawn = set(random.Random(seed).sample(talks, min(n, len(talks))))
+    return [r for r, k in zip(recs, keys) if k in drawn]
+
+# %% ../nbs/09a_capacity.ipynb #sim-trace-pick2
+def _pick(recs, max_requests, sample, seed, sessions=None) -> list:
+    "The records kept: a random `sample` (a fraction, or a count) or whole `sessions`; then the first `max_requests`."
+    if sample is not None and sessions is not None:
+        raise ValueError(f"sample={sample!r} is invalid with sessions={sessions!r}: give one of them, or neither")
+    if sessions is not None: recs = _sessions(recs, _whole("sessions", sessions), seed)
     if sample is not None:
         frac = isinstance(sample, float)
         if isinstance(sample, bool) or not isinstance(sample, (int, float)) or sample <= 0 or frac and sample > 1:
@@ -1015,14 +1031,20 @@ def _pick(recs, max_requests, sample, seed) -> list:
         recs = [recs[i] for i in sorted(random.Random(seed).sample(range(len(recs)), max(1, k)))]
     return recs[:_positive("max_requests", max_requests)] if max_requests is not None else recs
 
+def _whole(name, v) -> int:
+    "`v`, an int >= 1, else a `ValueError` naming `name`."
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"{name}={v!r} is invalid: it must be an int >= 1")
+    return v
+
 # %% ../nbs/09a_capacity.ipynb #sim-trace-load
 def load_trace(path, max_requests=None, sample=None, seed=0, length_scale=1.0, time_scale=1.0,
-               block_size=512, token_ids=True) -> Workload:
+               block_size=512, token_ids=True, sessions=None) -> Workload:
     "A Mooncake-format trace (JSON lines, `.gz` too) as a `Workload` whose prompts share what `hash_ids` say."
     _positive("length_scale", length_scale), _positive("block_size", block_size)
     if isinstance(time_scale, bool) or not isinstance(time_scale, (int, float)) or time_scale < 0:
         raise ValueError(f"time_scale={time_scale!r} is invalid: it must be a number >= 0 (0: all at once)")
-    recs = _pick(_read_trace(path, block_size), max_requests, sample, seed)
+    recs = _pick(_read_trace(path, block_size), max_requests, sample, seed, sessions)
     B, t0 = max(1, round(block_size*length_scale)), recs[0][0]
     reqs = [SimRequest(_scaled_len(L, block_size, B, length_scale), max(1, round(out*length_scale)),
                        (ts - t0)/1000*time_scale, hash_ids=ids, hash_block_size=B) for ts, L, out, ids in recs]
