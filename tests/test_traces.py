@@ -212,3 +212,20 @@ def test_vllm_command_and_start_up_line_name_the_tier(capsys):
     assert "KV offloading: 64 GiB of CPU memory, 32768 blocks (524288 tokens), over PCIe 5.0 x16" in capsys.readouterr().out
     assert s.vllm_command().endswith("--kv-offloading-size 64 --kv-offloading-backend native")
     assert "--kv-offloading" not in L31().vllm_command()
+
+def test_sessions_keep_whole_conversations_of_the_real_trace():
+    path = S.mooncake_trace_path()
+    talks = {}                                                          # conversation (first two ids) -> its turns
+    for line in gzip.open(path, "rt"):
+        ids = json.loads(line)["hash_ids"]
+        if len(ids) > 1: talks.setdefault(tuple(ids[:2]), []).append(ids)
+    w = S.load_trace(path, sessions=40, seed=3, token_ids=False)
+    kept = [r.hash_ids for r in w.requests]
+    drawn = {tuple(h[:2]) for h in kept if len(h) > 1}
+    multi = sorted(tuple(h) for h in kept if len(h) > 1)
+    assert multi == sorted(tuple(h) for k in drawn for h in talks[k])  # every turn of a drawn conversation, no other
+    assert len(drawn) + sum(len(h) < 2 for h in kept) == 40
+    assert [r.arrival_time for r in w.requests] == sorted(r.arrival_time for r in w.requests)
+    head = S.load_trace(path, max_requests=len(w), token_ids=False)      # the same number, from the trace's start
+    assert w.prefix_hit_ceiling(16) > head.prefix_hit_ceiling(16)
+    with pytest.raises(ValueError, match="sessions=0 is invalid"): S.load_trace(path, sessions=0)
