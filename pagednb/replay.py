@@ -489,7 +489,8 @@ def _add_replay_sizes(g):
     "The options that fit a trace to this machine, and the sweep's."
     g.add_argument("--max-requests", type=int, help="replay the first N requests of the workload")
     g.add_argument("--sample", type=int, help="a seeded random sample of N requests of the trace")
-    g.add_argument("--sessions", type=int, help="a seeded random sample of N conversations of the trace, every turn kept")
+    g.add_argument("--sessions", type=int,
+                   help="a seeded random sample of N conversations of the trace, every turn kept")
     g.add_argument("--length-scale", type=float, default=1.0,
                    help="multiply the trace's prompt and output lengths by this (0.1: ten times shorter)")
     g.add_argument("--time-scale", type=float, default=1.0, help="multiply every arrival time (2: half the rate)")
