@@ -1,5 +1,6 @@
 // Paged attention on the CPU, reading each K/V page where it lies (notebook 04a_cpu_attention).
 #include "cpu_vector.h"
+#include <type_traits>
 #if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -374,6 +375,17 @@ static inline void page_blocks(float* acc, float* m, float* l, float* p, int PS,
   }
 }
 
+// The first n rows (D elements each, `row` apart) of a page slice in format T as floats (/ T::unit) at dst, D
+// apart; rows n to BS - 1, which the scores read past a page's last token and then mask, as zeros.
+template <class T, int D>
+static inline void widen_rows(float* __restrict dst, const typename T::S* __restrict src, int64_t row, int n,
+                              int BS) {
+  for (int u = 0; u < n; u++)
+#pragma GCC unroll 16
+    for (int c = 0; c < D; c += 8) st(dst + u * D + c, kv8<T>(src + u * row + c));
+  std::memset(dst + n * D, 0, sizeof(float) * (BS - n) * D);
+}
+
 // One sequence, kv heads [h0, h1): the G = H / KVH query heads of each, at each of its nq query tokens, page
 // by page, from the first page holding a key of the first query's window (W: window, 0 for none; cap: soft cap,
 // 0 for none), in a cache of format T; the output is multiplied by vscale. G is an argument, not a template
@@ -407,6 +419,10 @@ static void attend(float* __restrict out, const float* __restrict q, const void*
   constexpr int NG = 4;
   // the first visible key of the first query: pages before its page are not read
   const int first = W > 0 ? std::max(0, L - nq - W + 1) : 0;
+  // a cache in fewer bits than float32 is widened once per page slice for all of the tile's query tokens (into kw
+  // and vw, BS rows of D floats each), not once for each of them
+  const bool widen = nq > 1 && !std::is_same<T, F32>::value;
+  float *kw = p + G * PS, *vw = kw + BS * D;
   for (int b = first / BS; b < pages; b++) {
     const int n = std::min(BS, L - b * BS);
     for (int h = h0; h < h1; h++) {
@@ -415,16 +431,28 @@ static void attend(float* __restrict out, const float* __restrict q, const void*
       // this head's slice of the next page, asked for row by row as the first query scores and sums this page
       const S* kn = b + 1 < pages ? kc + bt[b + 1] * page + (int64_t)h * D : nullptr;
       const S* vn = b + 1 < pages ? vc + bt[b + 1] * page + (int64_t)h * D : nullptr;
-      for (int j = 0; j < nq; j++) {
-        // causal: keys up to query token j's position
-        const int lim = std::min(n, L - nq + j + 1 - b * BS);
-        // window: keys after position (L - nq + j) - W
-        const int start = W > 0 ? std::max(0, L - nq + j - W + 1 - b * BS) : 0;
-        if (lim <= 0 || start >= lim) continue;
-        const int r0 = ((h - h0) * nq + j) * G;
-        page_blocks<T, NG, D>(acc + r0 * D, m + r0, l + r0, p, PS, qs + r0 * D, kp, vp, row, lim, BS, G,
-                           j ? nullptr : kn, j ? nullptr : vn, start, cap);
+      // the tile's query tokens against this page slice, read as format F (T, or float32 once widened)
+      auto queries = [&](auto fmt, const auto* k, const auto* v, int64_t stride, const auto* k_next,
+                         const auto* v_next) {
+        typedef decltype(fmt) F;
+        for (int j = 0; j < nq; j++) {
+          // causal: keys up to query token j's position
+          const int lim = std::min(n, L - nq + j + 1 - b * BS);
+          // window: keys after position (L - nq + j) - W
+          const int start = W > 0 ? std::max(0, L - nq + j - W + 1 - b * BS) : 0;
+          if (lim <= 0 || start >= lim) continue;
+          const int r0 = ((h - h0) * nq + j) * G;
+          page_blocks<F, NG, D>(acc + r0 * D, m + r0, l + r0, p, PS, qs + r0 * D, k, v, stride, lim, BS, G,
+                                j ? nullptr : k_next, j ? nullptr : v_next, start, cap);
+        }
+      };
+      if (!widen) {
+        queries(T{}, kp, vp, row, kn, vn);
+        continue;
       }
+      widen_rows<T, D>(kw, kp, row, n, BS);
+      widen_rows<T, D>(vw, vp, row, n, BS);
+      queries(F32{}, (const float*)kw, (const float*)vw, (int64_t)D, (const float*)nullptr, (const float*)nullptr);
     }
   }
   for (int h = h0; h < h1; h++)
@@ -666,7 +694,9 @@ extern "C" int pagednb_paged_attention(float* out, const float* query, const voi
   }
   const int64_t n_tiles = tiles.size();
   const int split = n_tiles >= 4 * num_threads ? 1 : KVH, per_item = KVH / split;
-  const int64_t R = (int64_t)QT * (H / KVH) * per_item, per = R * (2 * D + 2) + (H / KVH) * (BS + 16) + 16;
+  // per thread: acc and scaled q, m and l of R rows; the scores; a widened K and V page slice (attend)
+  const int64_t R = (int64_t)QT * (H / KVH) * per_item;
+  const int64_t per = R * (2 * D + 2) + (H / KVH) * (BS + 16) + 2 * BS * D + 16;
   const int64_t work = n_tiles * split;
   int err = 0;
 #pragma omp parallel num_threads(num_threads)
