@@ -208,6 +208,8 @@ _HELP = dict(
     scheduling_policy="which waiting request comes in next: fcfs (first come, first served; vLLM's default) or "
                       f"shortest (the fewest prompt tokens first, each passed over at most {MAX_PASSED_OVER} times); "
                       "vLLM's priority needs request priorities, which pagednb does not take",
+    decode_step_budget="token budget of a step that decodes, e.g. 256 (pagednb only; default: max_num_batched_tokens); "
+                       "smaller keeps decodes' ITL low, while a step with no decode prefills at the whole budget",
     long_prefill_token_threshold="most tokens of one prompt in a step; 0: no cap (vLLM's default) "
                                  "(default: half the budget for a running prompt while another request waits)",
     kv_cache_dtype="the KV cache's storage dtype: auto (the model's dtype), float16, bfloat16, fp8 (= fp8_e4m3), "
@@ -273,6 +275,8 @@ class EngineArgs:
                                         action=ON_OFF)
     max_num_batched_tokens: int | None = knob(None, _HELP["max_num_batched_tokens"],
                                               at_least(1, none="the default"), type=positive_size)
+    decode_step_budget: int | None = knob(None, _HELP["decode_step_budget"],
+                                          at_least(1, none="max_num_batched_tokens"), type=positive_size)
     max_num_seqs: int = knob(256, "most sequences in one step", at_least(1), type=positive_int)
     long_prefill_token_threshold: int | None = knob(None, _HELP["long_prefill_token_threshold"],
                                                     at_least(0, none="pagednb's share"), type=int)
@@ -356,7 +360,7 @@ def scheduler_config(args: EngineArgs, max_position_embeddings: int) -> Schedule
     budget = args.max_num_batched_tokens
     if budget is None: budget = 2048 if args.enable_chunked_prefill else max(2048, L)
     return SchedulerConfig(budget, args.max_num_seqs, L, args.enable_chunked_prefill,
-                           args.long_prefill_token_threshold, args.scheduling_policy)
+                           args.long_prefill_token_threshold, args.scheduling_policy, args.decode_step_budget)
 
 # %% ../nbs/05a_engine_args.ipynb #ea-flag
 def _flag_kwargs(f, defaults=True) -> dict:

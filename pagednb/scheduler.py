@@ -131,6 +131,13 @@ def _check_scheduler_config(c):
     if t is not None and (not isinstance(t, int) or t < 0):
         raise ValueError(f"long_prefill_token_threshold must be None (pagednb's share), 0 (no cap, vLLM's default) "
                          f"or a positive number of tokens, got {t!r}")
+    d = c.decode_step_budget
+    if d is not None and (not isinstance(d, int) or not 1 <= d <= c.max_num_batched_tokens):
+        raise ValueError(f"decode_step_budget must be None (max_num_batched_tokens in every step) or 1 to "
+                         f"max_num_batched_tokens ({c.max_num_batched_tokens}) tokens, got {d!r}")
+    if d is not None and d < c.max_num_batched_tokens and not c.enable_chunked_prefill:
+        raise ValueError(f"decode_step_budget={d} below max_num_batched_tokens needs enable_chunked_prefill=True: "
+                         f"a whole prompt could not join a step that decodes")
     if c.scheduling_policy not in SCHEDULING_POLICIES:
         raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES} (vLLM's 'priority' needs request "
                          f"priorities, which pagednb does not take), got {c.scheduling_policy!r}")
@@ -145,6 +152,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int | None = None     # None: half the budget for a running prompt while others wait
     scheduling_policy: str = "fcfs"                     # or "shortest": the fewest prompt tokens first
+    decode_step_budget: int | None = None               # a smaller budget for a step that decodes (pagednb only)
     def __post_init__(self): _check_scheduler_config(self)
 
 # %% ../nbs/05_scheduler.ipynb #db0f399f
@@ -233,10 +241,10 @@ def _run_order(self: Scheduler, seq: Sequence) -> tuple:
 
 # %% ../nbs/05_scheduler.ipynb #083942e7
 @patch
-def _prefill_cap(self: Scheduler, running=True, seq=None) -> int:
+def _prefill_cap(self: Scheduler, running=True, seq=None, whole=None) -> int:
     "Most tokens one prompt chunk may take: the threshold, or half the budget for a running prompt while one waits."
     c = self.config
-    t, whole = c.long_prefill_token_threshold, c.max_num_batched_tokens
+    t, whole = c.long_prefill_token_threshold, whole or c.max_num_batched_tokens
     if not c.enable_chunked_prefill or t == 0: return whole
     if t is not None: return t
     return max(1, whole // 2) if running and self._one_could_join(seq) else whole
@@ -269,7 +277,7 @@ def _schedule_running(self: Scheduler, plan: StepPlan, budget: int) -> int:
     for seq in sorted(self.running, key=self._run_order):               # stable: decodes first, oldest first
         if budget <= 0: break
         if seq.status is not SequenceStatus.RUNNING: continue            # preempted earlier in this loop
-        cap = self._prefill_cap(seq=seq) if seq.is_prefill else budget
+        cap = self._prefill_cap(seq=seq, whole=plan.token_budget) if seq.is_prefill else budget
         n = min(seq.num_uncomputed, budget, cap)
         k = min(self.lookahead(seq), budget - n) if self.lookahead and not seq.is_prefill else 0
         if not k and self.bm.writes_in_place(seq, n): self._schedule_seq(seq, n, plan)   # its pages have room
@@ -289,7 +297,7 @@ def _schedule_waiting(self: Scheduler, plan: StepPlan, budget: int) -> int:
         hits = bm.get_computed_blocks(seq)
         n = seq.num_tokens - len(hits)*bm.block_size
         if not c.enable_chunked_prefill and n > budget: break
-        n = min(n, budget, self._prefill_cap(running=False))
+        n = min(n, budget, self._prefill_cap(running=False, whole=plan.token_budget))
         if not bm.can_allocate(seq, n, hits): break
         self._dequeue(seq)
         self._take(seq, n, plan, hits)
@@ -298,11 +306,19 @@ def _schedule_waiting(self: Scheduler, plan: StepPlan, budget: int) -> int:
         budget -= n
     return budget
 
+# %% ../nbs/05_scheduler.ipynb #step-budget
+@patch
+def _step_budget(self: Scheduler) -> int:
+    "This step's token budget: `decode_step_budget` while a running sequence decodes, else `max_num_batched_tokens`."
+    c = self.config
+    decoding = any(not s.is_prefill for s in self.running)
+    return c.decode_step_budget if decoding and c.decode_step_budget else c.max_num_batched_tokens
+
 # %% ../nbs/05_scheduler.ipynb #36448819
 @patch
 def schedule(self: Scheduler) -> StepPlan:
     "Decide the next step: which sequences run, with how many new tokens each."
-    plan = StepPlan(token_budget=self.config.max_num_batched_tokens)
+    plan = StepPlan(token_budget=self._step_budget())
     budget = self._schedule_running(plan, plan.token_budget)
     self._schedule_waiting(plan, budget)
     self.num_steps += 1

@@ -51,6 +51,7 @@ CASES = {
     "shortest_first": dict(max_model_len=1024, max_num_batched_tokens=32, scheduling_policy="shortest"),
     "shortest_preemption": dict(max_model_len=192, num_gpu_blocks_override=24, max_num_batched_tokens=128,
                                 scheduling_policy="shortest"),
+    "decode_step_budget": dict(max_model_len=1024, max_num_batched_tokens=256, decode_step_budget=16),
 }
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -223,3 +224,17 @@ def test_shortest_first_on_a_burst(parts):
     assert _first_tokens(parts, "shortest") == ["r1", "r3", "r2", "r0"]
     # first come, first served: the 40-token prompt, last to arrive, waits for the 300- and 150-token ones
     assert _first_tokens(parts, "fcfs") == ["r1", "r2", "r0", "r3"]
+
+def _steps_to_first_token(eng, rid):
+    "Engine steps until request `rid` has its first token."
+    for n in range(1, 100):
+        if any(o.request_id == rid and o.outputs[0].token_ids for o in eng.step()): return n
+
+def test_decode_step_budget_on_the_engine(parts):
+    eng = LLM(parts, log=False, max_num_batched_tokens=256, decode_step_budget=16).engine
+    decode_40 = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    eng.add_request("a", dict(prompt_token_ids=list(range(100, 300))), decode_40)
+    assert _steps_to_first_token(eng, "a") == 1                 # nothing decodes: the whole budget, one step
+    eng.add_request("b", dict(prompt_token_ids=list(range(400, 600))), decode_40)
+    assert _steps_to_first_token(eng, "b") == 14                # beside a's decode: 15 of b's tokens a step
+    while eng.has_unfinished_requests(): eng.step()

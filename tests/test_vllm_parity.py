@@ -24,6 +24,8 @@ PAGEDNB_ONLY = {
         "kv_offloading_disk_size": "the disk tier's GiB; LMCache calls it max_local_disk_size, vLLM has none",
         "matmul_dtype": "16-bit products with float32 between them on a CPU; vLLM's CPU build has only --dtype, which "
                         "puts the whole model in bfloat16",
+        "decode_step_budget": "a smaller token budget for the steps that carry a decode; vLLM has one "
+                              "max_num_batched_tokens for every step",
     },
     "sampling": {
         "truncate_prompt_tokens": "vLLM 0.32 takes it per request (its tokenization parameters); pagednb keeps it on "
@@ -37,6 +39,8 @@ PAGEDNB_ONLY = {
         "--kv-offloading-disk-size": "the disk tier's GiB; vLLM's native offloading has none",
         "--matmul-dtype": "16-bit products with float32 between them on a CPU; vLLM's CPU build has only --dtype, which "
                           "puts the whole model in bfloat16",
+        "--decode-step-budget": "a smaller token budget for the steps that carry a decode; vLLM has one "
+                                "--max-num-batched-tokens for every step",
         "--disable-frontend-multiprocessing": "runs the engine in a thread of the API server; vLLM 0.32 switches this "
                                               "with VLLM_ENABLE_V1_MULTIPROCESSING=0 (older vLLM had this flag)",
         "--max-n": "caps a request's `n` so one request cannot fill a small CPU's KV cache; vLLM has no cap",
