@@ -8,11 +8,11 @@ Docs: https://pagednb.github.io/pagednb/paged_attention.html.md"""
 __all__ = ['KV_STORAGE_DTYPES', 'INTERPRETED', 'MIXED_INTERPRETER', 'NO_WINDOW', 'LOG2E', 'MIN_SPLIT_TOKENS', 'MAX_SPLITS',
            'BACKENDS', 'gather_slots', 'visible', 'paged_attention_spec', 'PagedProblem', 'make_paged_problem',
            'masked_sdpa', 'contiguous_attention', 'check_attention_args', 'check_window_args', 'check_seq_metadata',
-           'check_block_tables', 'kv_storage_dtype', 'check_kv_scale', 'quantize_kv', 'dequantize_kv', 'PaddedGroup',
-           'pad_group', 'length_buckets', 'TorchAttentionPlan', 'paged_attention_torch', 'check_store_args',
-           'check_slots', 'store_kv_torch', 'decode_bytes', 'store_kv_triton', 'paged_decode_naive', 'paged_decode',
-           'paged_attention_multi', 'AttentionPlan', 'plan_attention', 'paged_attention_triton', 'trace_pages',
-           'plot_pages_read', 'default_backend', 'check_triton_device', 'store_kv', 'paged_attention']
+           'check_block_tables', 'kv_storage_dtype', 'check_kv_scale', 'quantize_kv', 'dequantize_kv', 'sdpa_dtype',
+           'PaddedGroup', 'pad_group', 'length_buckets', 'TorchAttentionPlan', 'paged_attention_torch',
+           'check_store_args', 'check_slots', 'store_kv_torch', 'decode_bytes', 'store_kv_triton', 'paged_decode_naive',
+           'paged_decode', 'paged_attention_multi', 'AttentionPlan', 'plan_attention', 'paged_attention_triton',
+           'trace_pages', 'plot_pages_read', 'default_backend', 'check_triton_device', 'store_kv', 'paged_attention']
 
 # %% ../nbs/04_paged_attention.ipynb #c5bc1e4e
 import copy, functools, math, os, sys
@@ -338,11 +338,18 @@ def _query_rows(q0, nq, L, mq, P, first=None, sliding_window=None):
     kpos = torch.arange(P, device=nq.device)[None, :] + (0 if first is None else first[:, None])
     return rows, visible(qpos[:, None, :, None], kpos[:, None, None, :], sliding_window)
 
+# %% ../nbs/04_paged_attention.ipynb #sdpa-dtype
+def sdpa_dtype(query) -> torch.dtype:
+    "The dtype the torch backend attends in: the query's, except float32 on a CPU without native bfloat16 products."
+    if query.device.type != 'cpu' or query.dtype == torch.float32: return query.dtype
+    native = query.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+    return query.dtype if native and torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+
 # %% ../nbs/04_paged_attention.ipynb #116daa2c
 def _read_kv(k, v, query, k_scale=1.0, v_scale=1.0):
-    "Gathered K/V pages as attention computes them: as stored if in the query's dtype, else float32 times the scales."
-    if k.dtype == query.dtype and k_scale == 1.0 and v_scale == 1.0: return k, v     # `auto`: nothing to do
-    dt = torch.float32 if query.device.type == 'cpu' else query.dtype
+    "Gathered K/V pages as attention computes them: as stored if already in `sdpa_dtype`, else in it times the scales."
+    if k.dtype == sdpa_dtype(query) and k_scale == 1.0 and v_scale == 1.0: return k, v     # `auto`: nothing to do
+    dt = sdpa_dtype(query)
     return dequantize_kv(k, dt, k_scale), dequantize_kv(v, dt, v_scale)
 
 # %% ../nbs/04_paged_attention.ipynb #b4a3d480
@@ -385,15 +392,15 @@ def pad_group(block_tables, seqs, lens, qsl, num_blocks, block_size, sliding_win
 # %% ../nbs/04_paged_attention.ipynb #6131ef89
 def _attend_padded(out, query, k_cache, v_cache, g, scale, softcap=None, k_scale=1.0, v_scale=1.0):
     "Attention for one rectangle `g`: gather whole pages, zero the padding slots, one masked SDPA call."
-    dev, (T, H, D), (_, bs, kvh, _) = query.device, query.shape, k_cache.shape
+    (T, H, D), (_, bs, kvh, _) = query.shape, k_cache.shape
     k = _gather_pages(k_cache, g.blocks, 'k').view(g.n * g.P, kvh, D)            # whole pages, in order
     v = _gather_pages(v_cache, g.blocks, 'v').view(g.n * g.P, kvh, D)
-    k, v = _read_kv(k, v, query, k_scale, v_scale)                               # stored dtype -> float
+    k, v = _read_kv(k, v, query, k_scale, v_scale)                               # stored dtype -> sdpa_dtype
     if g.unused.numel():
         k.index_fill_(0, g.unused, 0)
         v.index_fill_(0, g.unused, 0)
     q = query[g.rows].transpose(1, 2)                                            # [n, H, mq, D]
-    if dev.type == 'cpu' and q.dtype != torch.float32: q, k, v = q.float(), k.float(), v.float()
+    q, k, v = q.to(sdpa_dtype(query)), k.to(sdpa_dtype(query)), v.to(sdpa_dtype(query))
     o = masked_sdpa(q, k.view(g.n, g.P, kvh, D).transpose(1, 2), v.view(g.n, g.P, kvh, D).transpose(1, 2),
                     g.mask, scale, softcap)
     out[g.rows] = o.transpose(1, 2).to(out.dtype)
@@ -408,9 +415,9 @@ def _attend_one(out, query, k_cache, v_cache, block_tables, s, L, q0, q1, scale,
     blocks = block_tables[s, lo // bs:-(-L // bs)].long()
     k = k_cache.index_select(0, blocks).view(-1, kvh, D)[:L - lo].transpose(0, 1)[None]   # [1, kvh, L - lo, D]
     v = v_cache.index_select(0, blocks).view(-1, kvh, D)[:L - lo].transpose(0, 1)[None]
-    k, v = _read_kv(k, v, query, k_scale, v_scale)                              # stored dtype -> float
+    k, v = _read_kv(k, v, query, k_scale, v_scale)                              # stored dtype -> sdpa_dtype
     q = query[q0:q1].transpose(0, 1)[None]                                      # [1, H, n, D]
-    if q.device.type == 'cpu' and q.dtype != torch.float32: q, k, v = q.float(), k.float(), v.float()
+    q, k, v = q.to(sdpa_dtype(query)), k.to(sdpa_dtype(query)), v.to(sdpa_dtype(query))
     if n == L and sliding_window is None and softcap is None:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:

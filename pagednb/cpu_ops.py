@@ -98,24 +98,30 @@ PACK_MIN_NUMEL = 1 << 15                                  # smaller weights mult
 _P, _I, _I64, _F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 _ROPE_ARGS = [_P, _I64, _P, _I64, _I, _P, _I64, _P, _I64, _I, _P, _I64, _P, _I64,
               _I64, _I, _P, _P, _P, _I64, _P, _P, _F32, _I]
-_SIGNATURES = dict(
-    pagednb_rms_norm_f32=([_P, _P, _P, _I64, _I, _F32, _I], None),
-    pagednb_add_rms_norm_f32=([_P, _P, _P, _P, _P, _I64, _I, _F32, _I], None),
-    pagednb_silu_mul_f32=([_P, _P, _I64, _I, _I], None),
-    pagednb_rope_f32=(_ROPE_ARGS, _I64))
+_OP_SIGNATURES = dict(rms_norm=([_P, _P, _P, _I64, _I, _F32, _I], None),
+                      add_rms_norm=([_P, _P, _P, _P, _P, _I64, _I, _F32, _I], None),
+                      silu_mul=([_P, _P, _I64, _I, _I], None), rope=(_ROPE_ARGS, _I64))
+_ROW_TYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}       # the rows the ops take: each its own entry point
+_SIGNATURES = {f"pagednb_{op}_{s}": sig for op, sig in _OP_SIGNATURES.items() for s in _ROW_TYPES.values()}
 
 cpu_ops = CppLibrary("cpu_ops.cpp", "PAGEDNB_CPU_OPS", _SIGNATURES,
                      what="the fused CPU ops are", fallback="the model keeps its torch ops")
 
+# %% ../nbs/04b_cpu_ops.ipynb #op-entry
+def _op(name, t):
+    "The C++ entry point of op `name` for rows of `t`'s dtype (float32 or bfloat16)."
+    return getattr(cpu_ops.lib, f"pagednb_{name}_{_ROW_TYPES[t.dtype]}")
+
 # %% ../nbs/04b_cpu_ops.ipynb #36df3103
-def _check(name, t, shape=None, contiguous=True):
-    "Raise a clear error unless `t` is a float32 CPU tensor (of `shape`, contiguous)."
+def _check(name, t, shape=None, contiguous=True, dtype=None):
+    "Raise a clear error unless `t` is a float32 or bfloat16 CPU tensor (of `dtype`, `shape`, contiguous)."
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.device.type != "cpu":
         raise ValueError(f"{name} is on {t.device}; the fused CPU ops take CPU tensors")
-    if t.dtype != torch.float32:
-        raise TypeError(f"{name} has dtype {t.dtype}; the fused CPU ops take float32")
+    if t.dtype not in _ROW_TYPES or dtype not in (None, t.dtype):
+        want = "float32 or bfloat16" if dtype is None else f"{dtype}, the dtype of the rows"
+        raise TypeError(f"{name} has dtype {t.dtype}; the fused CPU ops take {want}")
     if t.dim() == 0: raise ValueError(f"{name} must have at least one dimension")
     if shape is not None and tuple(t.shape) != tuple(shape):
         raise ValueError(f"{name} has shape {tuple(t.shape)}; expected {tuple(shape)}")
@@ -129,8 +135,8 @@ def _rows(x): return x.numel() // x.shape[-1]
 # %% ../nbs/04b_cpu_ops.ipynb #8de44c9c
 def _rms_norm(x, w, eps, out):
     "The C++ RMSNorm of `x` into `out`, unchecked: the fast path of the model below."
-    cpu_ops.lib.pagednb_rms_norm_f32(out.data_ptr(), x.data_ptr(), w.data_ptr(), _rows(x), x.shape[-1], eps,
-                                     torch.get_num_threads())
+    _op("rms_norm", x)(out.data_ptr(), x.data_ptr(), w.data_ptr(), _rows(x), x.shape[-1], eps,
+                       torch.get_num_threads())
     return out
 
 # %% ../nbs/04b_cpu_ops.ipynb #8a84d9d2
@@ -138,22 +144,23 @@ def rms_norm(x, weight, eps=1e-6, out=None):
     "`x / rms(x) * weight` over the last dim, one C++ pass per row (vLLM's `rms_norm`); `out` may be `x`."
     cpu_ops.require()
     _check("x", x)
-    _check("weight", weight, (x.shape[-1],))
-    return _rms_norm(x, weight, eps, torch.empty_like(x) if out is None else _check("out", out, x.shape))
+    _check("weight", weight, (x.shape[-1],), dtype=x.dtype)
+    out = torch.empty_like(x) if out is None else _check("out", out, x.shape, dtype=x.dtype)
+    return _rms_norm(x, weight, eps, out)
 
 # %% ../nbs/04b_cpu_ops.ipynb #01fd7771
 def _add_rms_norm(x, residual, w, eps, out, total):
     "total = x + residual; out = rms_norm(total) * w, in one pass (total and out may each be x or residual)."
-    cpu_ops.lib.pagednb_add_rms_norm_f32(out.data_ptr(), total.data_ptr(), x.data_ptr(), residual.data_ptr(),
-                                         w.data_ptr(), _rows(x), x.shape[-1], eps, torch.get_num_threads())
+    _op("add_rms_norm", x)(out.data_ptr(), total.data_ptr(), x.data_ptr(), residual.data_ptr(), w.data_ptr(),
+                           _rows(x), x.shape[-1], eps, torch.get_num_threads())
 
 # %% ../nbs/04b_cpu_ops.ipynb #09f9b267
 def fused_add_rms_norm(x, residual, weight, eps=1e-6):
     "vLLM's `fused_add_rms_norm`, in place in one pass: `residual += x`; `x = rms_norm(residual) * weight`."
     cpu_ops.require()
     _check("x", x)
-    _check("residual", residual, x.shape)
-    _check("weight", weight, (x.shape[-1],))
+    _check("residual", residual, x.shape, dtype=x.dtype)
+    _check("weight", weight, (x.shape[-1],), dtype=x.dtype)
     if x.data_ptr() == residual.data_ptr(): raise ValueError("x and residual must be different tensors")
     _add_rms_norm(x, residual, weight, eps, x, residual)
     return x, residual
@@ -162,8 +169,8 @@ def fused_add_rms_norm(x, residual, weight, eps=1e-6):
 def _silu_mul(gate_up, out):
     "The C++ `silu(gate) * up` into `out`, unchecked: the fast path of the model below."
     I = out.shape[-1]
-    cpu_ops.lib.pagednb_silu_mul_f32(out.data_ptr(), gate_up.data_ptr(), out.numel() // max(I, 1), I,
-                                     torch.get_num_threads())
+    _op("silu_mul", gate_up)(out.data_ptr(), gate_up.data_ptr(), out.numel() // max(I, 1), I,
+                             torch.get_num_threads())
     return out
 
 # %% ../nbs/04b_cpu_ops.ipynb #c4c9199d
@@ -174,7 +181,7 @@ def silu_mul(gate_up, out=None):
     if gate_up.shape[-1] % 2:
         raise ValueError(f"gate_up's last dimension must be even (gate then up), got {gate_up.shape[-1]}")
     shape = (*gate_up.shape[:-1], gate_up.shape[-1] // 2)
-    out = torch.empty(shape, dtype=torch.float32) if out is None else _check("out", out, shape)
+    out = torch.empty(shape, dtype=gate_up.dtype) if out is None else _check("out", out, shape, dtype=gate_up.dtype)
     return _silu_mul(gate_up, out)
 
 # %% ../nbs/04b_cpu_ops.ipynb #353174c6
@@ -195,13 +202,13 @@ def _raise_position(positions, bad, cos):
 def _split_rope(qkv, positions, cos, sin, H, KVH, D, q_weight=None, k_weight=None, eps=0.0):
     "Contiguous q [T, H, D], k and v [T, KVH, D] from the merged `qkv`; q and k normed (if given), rotated."
     T, row, src, positions = qkv.shape[0], qkv.stride(0), qkv.data_ptr(), _positions(positions)
-    q = torch.empty(T, H, D, dtype=torch.float32)
-    k, v = torch.empty(T, KVH, D, dtype=torch.float32), torch.empty(T, KVH, D, dtype=torch.float32)
-    bad = cpu_ops.lib.pagednb_rope_f32(q.data_ptr(), H * D, src, row, H,
-                                       k.data_ptr(), KVH * D, src + 4 * H * D, row, KVH,
-                                       v.data_ptr(), KVH * D, src + 4 * (H + KVH) * D, row, T, D,
-                                       positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[0],
-                                       _ptr(q_weight), _ptr(k_weight), eps, torch.get_num_threads())
+    q, b = torch.empty(T, H, D, dtype=qkv.dtype), qkv.element_size()          # b: bytes a value
+    k, v = torch.empty(T, KVH, D, dtype=qkv.dtype), torch.empty(T, KVH, D, dtype=qkv.dtype)
+    bad = _op("rope", qkv)(q.data_ptr(), H * D, src, row, H,
+                           k.data_ptr(), KVH * D, src + b * H * D, row, KVH,
+                           v.data_ptr(), KVH * D, src + b * (H + KVH) * D, row, T, D,
+                           positions.data_ptr(), cos.data_ptr(), sin.data_ptr(), cos.shape[0],
+                           _ptr(q_weight), _ptr(k_weight), eps, torch.get_num_threads())
     if bad: _raise_position(positions, bad, cos)
     return q, k, v
 
@@ -215,8 +222,8 @@ def _check_rope(positions, cos, sin, T, D):
     if tuple(positions.shape) != (T,):
         raise ValueError(f"positions has shape {tuple(positions.shape)}; expected ({T},), one per token")
     if D % 2: raise ValueError(f"head_dim must be even for RoPE, got {D}")
-    _check("cos", cos)
-    _check("sin", sin, cos.shape)
+    _check("cos", cos, dtype=torch.float32)                         # the tables stay float32 for any rows
+    _check("sin", sin, cos.shape, dtype=torch.float32)
     if cos.dim() != 2 or cos.shape[1] != D // 2:
         raise ValueError(f"cos has shape {tuple(cos.shape)}; expected [max_pos, head_dim / 2 = {D // 2}]")
 
@@ -228,6 +235,7 @@ def _check_heads(q, k):
         if t.dim() != 3 or t.stride(2) != 1 or t.stride(1) != t.shape[2]:
             raise ValueError(f"{n} must be [tokens, heads, head_dim] with each token's heads contiguous "
                              f"(got shape {tuple(t.shape)}, strides {t.stride()})")
+    _check("k", k, dtype=q.dtype, contiguous=False)
     if k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} differ in tokens or head_dim")
 
@@ -238,11 +246,10 @@ def rope_(q, k, positions, cos, sin):
     _check_heads(q, k)
     _check_rope(positions, cos, sin, q.shape[0], q.shape[2])
     positions = _positions(positions)
-    bad = cpu_ops.lib.pagednb_rope_f32(q.data_ptr(), q.stride(0), q.data_ptr(), q.stride(0), q.shape[1],
-                                       k.data_ptr(), k.stride(0), k.data_ptr(), k.stride(0), k.shape[1],
-                                       None, 0, None, 0, q.shape[0], q.shape[2], positions.data_ptr(),
-                                       cos.data_ptr(), sin.data_ptr(), cos.shape[0], None, None, 0.0,
-                                       torch.get_num_threads())
+    bad = _op("rope", q)(q.data_ptr(), q.stride(0), q.data_ptr(), q.stride(0), q.shape[1],
+                         k.data_ptr(), k.stride(0), k.data_ptr(), k.stride(0), k.shape[1],
+                         None, 0, None, 0, q.shape[0], q.shape[2], positions.data_ptr(),
+                         cos.data_ptr(), sin.data_ptr(), cos.shape[0], None, None, 0.0, torch.get_num_threads())
     if bad: _raise_position(positions, bad, cos)
     return q, k
 
@@ -259,7 +266,7 @@ def split_qkv_rope(qkv, positions, cos, sin, num_heads, num_kv_heads, q_weight=N
     if (q_weight is None) != (k_weight is None):
         raise ValueError("give both q_weight and k_weight (Qwen3's q/k norms), or neither")
     for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
-        if w is not None: _check(name, w, (D,))
+        if w is not None: _check(name, w, (D,), dtype=qkv.dtype)
     return _split_rope(qkv, positions, cos, sin, num_heads, num_kv_heads, D, q_weight, k_weight, eps)
 
 # %% ../nbs/04b_cpu_ops.ipynb #e3309a2a
@@ -285,9 +292,8 @@ def merge_linears(*linears):
 
 # %% ../nbs/04b_cpu_ops.ipynb #0bbd0828
 def _fast(x, module=None):
-    "Can C++ take `x`: float32, CPU, contiguous, library loaded, no gradient wanted of `x` or `module`?"
-    if not (x.dtype == torch.float32 and x.is_cpu and x.is_contiguous() and cpu_ops.lib is not None):
-        return False
+    "Can C++ take `x`: float32 or bfloat16, CPU, contiguous, library loaded, no gradient wanted of `x` or `module`?"
+    if not (x.dtype in _ROW_TYPES and x.is_cpu and x.is_contiguous() and cpu_ops.lib is not None): return False
     if not torch.is_grad_enabled(): return True
     return not (x.requires_grad or (module is not None and any(p.requires_grad for p in module.parameters())))
 
@@ -298,7 +304,7 @@ class FusedRMSNorm(RMSNorm):
         nn.Module.__init__(self)
         self.eps, self.weight = norm.eps, norm.weight
     def forward(self, x):
-        if not _fast(x, self): return super().forward(x)
+        if not (_fast(x, self) and self.weight.dtype == x.dtype): return super().forward(x)
         return _rms_norm(x, self.weight, self.eps, torch.empty_like(x))
 
 # %% ../nbs/04b_cpu_ops.ipynb #1d4e3614
@@ -317,7 +323,8 @@ def forward(self: FusedAttention, positions, x, attn):
     "q/k/v in one product, then q/k norms and RoPE in one C++ pass where `_fast` allows, else in torch."
     T, H, KVH, D, rot = x.shape[0], self.nh, self.nkv, self.hd, self.rotary[0]
     qkv, qn, kn = self.qkv_proj.forward(x), self.q_norm, self.k_norm    # `.forward`: no module hooks
-    if _fast(qkv) and positions.is_cpu:
+    tables = rot.cos.dtype == torch.float32 and (qn is None or qn.weight.dtype == qkv.dtype)  # as C++ reads them
+    if _fast(qkv) and positions.is_cpu and tables:
         norms = () if qn is None else (qn.weight, kn.weight, qn.eps)   # one eps: both are rms_norm_eps
         q, k, v = _split_rope(qkv, positions, rot.cos, rot.sin, H, KVH, D, *norms)
     else:
@@ -340,7 +347,7 @@ def forward(self: FusedMLP, x):
     "The merged gate/up product, then `silu(gate) * up` in C++ where `_fast` allows, else in torch."
     gu = self.gate_up_proj.forward(x)
     if _fast(gu):
-        out = torch.empty(*gu.shape[:-1], gu.shape[-1] // 2, dtype=torch.float32)
+        out = torch.empty(*gu.shape[:-1], gu.shape[-1] // 2, dtype=gu.dtype)
         return self.down_proj.forward(_silu_mul(gu, out))
     g, u = gu.chunk(2, -1)
     return self.down_proj(F.silu(g) * u)
@@ -357,9 +364,9 @@ class FusedDecoderLayer(nn.Module):
 # %% ../nbs/04b_cpu_ops.ipynb #938ea23c
 @patch
 def forward(self: FusedDecoderLayer, positions, x, attn):
-    "C++ norms, the first fused with the residual add; the torch ops under autograd or off float32 CPU."
+    "C++ norms, the second fused with the residual add; the torch ops under autograd or off the CPU's row types."
     n1, n2 = self.input_layernorm, self.post_attention_layernorm
-    if not _fast(x, self):                              # autograd, another dtype or device: the torch ops
+    if not (_fast(x, self) and n1.weight.dtype == x.dtype):   # autograd, another dtype or device: the torch ops
         x = x + self.self_attn(positions, n1(x), attn)
         return x + self.mlp(n2(x))
     a = self.self_attn.forward(positions, _rms_norm(x, n1.weight, n1.eps, torch.empty_like(x)), attn)
@@ -369,11 +376,12 @@ def forward(self: FusedDecoderLayer, positions, x, attn):
 
 # %% ../nbs/04b_cpu_ops.ipynb #f814923e
 def _fusable(layer):
-    "Are the five projections to merge plain or packed linear layers, and all weights float32 on the CPU?"
+    "Are the five projections to merge plain or packed linear layers, and all weights of one row type on the CPU?"
     a, m = layer.self_attn, layer.mlp
     ps = [a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj]
     if not all(isinstance(p, nn.Linear) or _is_packed(p) for p in ps): return False
-    return all(p.dtype == torch.float32 and p.device.type == "cpu" for p in layer.parameters())
+    dtypes = {p.dtype for p in layer.parameters()}
+    return len(dtypes) == 1 and dtypes <= _ROW_TYPES.keys() and all(p.is_cpu for p in layer.parameters())
 
 # %% ../nbs/04b_cpu_ops.ipynb #1c7bd75f
 def fuse_for_cpu(model) -> int:
@@ -381,7 +389,7 @@ def fuse_for_cpu(model) -> int:
     body = getattr(model, "model", None)
     if not hasattr(body, "layers") or not hasattr(body, "embed_tokens"): return 0   # not a `CausalLM`
     w = body.embed_tokens.weight
-    if w.device.type != "cpu" or w.dtype != torch.float32 or cpu_ops() is None: return 0
+    if w.device.type != "cpu" or w.dtype not in _ROW_TYPES or cpu_ops() is None: return 0
     fused = [i for i, layer in enumerate(body.layers) if type(layer) is DecoderLayer and _fusable(layer)]
     for i in fused: body.layers[i] = FusedDecoderLayer(body.layers[i])
     if type(body.norm) is RMSNorm: body.norm = FusedRMSNorm(body.norm)

@@ -239,7 +239,7 @@ class KVPrefetcher:
     "Backs a lazily mapped KV pool with RAM a little ahead of the highest block in use, on its own thread."
     def __init__(self, kv_cache, min_ahead=128, chunk=64):
         self.planes = kv_cache.view(-1, *kv_cache.shape[2:])       # [2 x layers, num_blocks, ...]
-        self.min_ahead, self.chunk, self.high = min_ahead, chunk, 0
+        self.min_ahead, self.chunk, self.high, self.busy = min_ahead, chunk, 0, False
         self.done, self.want = 0, min(min_ahead, self.num_blocks)
         self.wake, self.stopped, self.ok = threading.Event(), False, True
         args = (weakref.ref(self), self.wake)                      # weak: a dropped engine frees its pool
@@ -255,30 +255,43 @@ def num_blocks(self: KVPrefetcher) -> int: return self.planes.shape[1]
 
 @patch
 def need(self: KVPrefetcher, high):
-    "A step's block tables reach block `high`: back pages up to it and beyond, by twice the growth."
+    "A step that reaches block `high` begins: back up to it now, and beyond (by twice the growth) once it ends."
     ahead = max(self.min_ahead, 2 * (high - self.high))
-    self.high = max(self.high, high)
+    self.high, self.busy = max(self.high, high), True
     if self.ok and self.high + ahead > self.want:
         self.want = min(self.num_blocks, self.high + ahead)
         self.wake.set()
 
+@patch
+def idle(self: KVPrefetcher):
+    "The step has ended: back pages ahead until the next one begins."
+    self.busy = False
+    if self.ok and self.done < self.want: self.wake.set()
+
 # %% ../nbs/06_runner.ipynb #f1a116a2
 @patch
+def _target(self: KVPrefetcher) -> int:
+    "How far to back now: `want`, but during a step only the blocks it uses."
+    return min(self.want, self.high + 1) if self.busy else self.want
+
+@patch
 def _back(self: KVPrefetcher, start, stop):
-    "Back blocks `[start, stop)` in every plane; False once Linux refuses."
+    "Back blocks `[start, stop)` in every plane: True; False once Linux refuses; None if a step began first."
     per_block = self.planes[0, 0].numel()
     for plane in self.planes:
-        if self.stopped or not populate(plane, start * per_block, stop * per_block): return False
+        if self.stopped or (self.busy and start > self.high): return None     # leave the step the cores
+        if not populate(plane, start * per_block, stop * per_block): return False
     return True
 
 # %% ../nbs/06_runner.ipynb #a28a770c
 @patch
 def _catch_up(self: KVPrefetcher):
-    "Back the next chunk until `want` is reached."
-    while self.ok and not self.stopped and self.done < self.want:
-        stop = min(self.want, self.done + self.chunk)
-        self.ok = self._back(self.done, stop)
-        self.done = stop if self.ok else self.done
+    "Back the next chunk until the target is reached, or until a step begins."
+    while self.ok and not self.stopped and self.done < self._target():
+        stop = min(self._target(), self.done + self.chunk)
+        backed = self._back(self.done, stop)
+        if backed is None: return                                  # paused: `idle` wakes it again
+        self.ok, self.done = backed, stop if backed else self.done
 
 # %% ../nbs/06_runner.ipynb #fa1ff44e
 def _prefetch_loop(owner, wake):
@@ -391,6 +404,7 @@ def execute(self: ModelRunner, plan):
         return self.model(x.input_ids, x.positions, self.attn) if hidden is None else hidden
     finally:
         if self.attn.pending is not None: self._finish_copies()
+        if self.prefetch: self.prefetch.idle()
 
 # %% ../nbs/06_runner.ipynb #d338afe0
 def _last_per_target(pairs) -> tuple:

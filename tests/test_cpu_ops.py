@@ -1,10 +1,10 @@
 "The fused CPU ops against torch, `fuse_for_cpu` against the unfused model (and Hugging Face), idempotence, the switch, and a failed build."
 import warnings
 import pytest, torch
-import torch.nn.functional as F
+import torch.nn as nn, torch.nn.functional as F
 import pagednb.cpu_ops as O
 import pagednb.cpu_attention as C
-from pagednb.model import load_model, Rotary, NoCacheAttention, greedy_generate
+from pagednb.model import load_model, Rotary, RMSNorm, NoCacheAttention, greedy_generate
 from pagednb.engine import LLM
 from pagednb.cpu_ops import pack_linears, PackedLinear
 from pagednb.sampling import SamplingParams
@@ -91,7 +91,9 @@ def test_bad_input():
     with pytest.raises(ValueError, match="residual has shape"): O.fused_add_rms_norm(torch.randn(2, 8), torch.randn(3, 8), torch.ones(8))
     with pytest.raises(ValueError, match="different tensors"): x = torch.randn(2, 8); O.fused_add_rms_norm(x, x, torch.ones(8))
     with pytest.raises(ValueError, match="even"): O.silu_mul(torch.randn(3, 7))
-    with pytest.raises(TypeError, match="gate_up has dtype torch.bfloat16"): O.silu_mul(torch.randn(3, 8, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="gate_up has dtype torch.float16; the fused CPU ops take float32 or bfloat16"): O.silu_mul(torch.randn(3, 8, dtype=torch.float16))
+    with pytest.raises(TypeError, match="weight has dtype torch.float32; the fused CPU ops take torch.bfloat16"): O.rms_norm(torch.randn(2, 8).bfloat16(), torch.ones(8))
+    with pytest.raises(TypeError, match="cos has dtype torch.bfloat16"): O.split_qkv_rope(torch.randn(3, 15 * 64), torch.arange(3), rot.cos.bfloat16(), rot.sin, 9, 3)
     with pytest.raises(ValueError, match="out has shape"): O.silu_mul(torch.randn(3, 8), out=torch.empty(3, 8))
     qkv = torch.randn(3, 15 * 64)
     with pytest.raises(IndexError, match=r"positions\[2\] = 128 is outside the RoPE table of 128"):
@@ -189,8 +191,73 @@ def test_autograd_and_other_dtypes_take_the_torch_path(tmp_path):
 
 def test_not_fused_off_the_fast_path(tmp_path):
     tiny_hf_model("llama", tmp_path)
-    bf16, _, _ = load_model(tmp_path, dtype="bfloat16", device="cpu")
-    assert O.fuse_for_cpu(bf16) == 0 and type(bf16.model.layers[0]).__name__ == "DecoderLayer"
+    f16, _, _ = load_model(tmp_path, dtype="float16", device="cpu")
+    assert O.fuse_for_cpu(f16) == 0 and type(f16.model.layers[0]).__name__ == "DecoderLayer"
+
+# --- bfloat16 rows: computed in float32, rounded where torch's ops round
+
+def bf16_like_torch(got, want):
+    "The C++ op's bfloat16 values are torch's: all within one bfloat16 step, nearly all bit for bit."
+    assert got.dtype == want.dtype == torch.bfloat16 and got.shape == want.shape
+    torch.testing.assert_close(got, want)                             # bfloat16's tolerance: rtol 1.6e-2
+    assert (got == want).float().mean() >= 0.999
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_ops_in_bfloat16(shape, threads):
+    g = torch.Generator().manual_seed(shape[-1] + 7)
+    x, r = (torch.randn(shape, generator=g) * 4).bfloat16(), torch.randn(shape, generator=g).bfloat16()
+    norm = RMSNorm(shape[-1], 1e-5)
+    nn.init.normal_(norm.weight, 1.0, 0.3, generator=g)
+    norm = norm.bfloat16().requires_grad_(False)
+    bf16_like_torch(O.rms_norm(x, norm.weight, 1e-5), norm(x))
+    x2, r2 = x.clone(), r.clone()
+    O.fused_add_rms_norm(x2, r2, norm.weight, 1e-5)
+    bf16_like_torch(r2, x + r)
+    bf16_like_torch(x2, norm(x + r))
+    gu = (torch.randn(*shape[:-1], 2 * shape[-1], generator=g) * 6).bfloat16()
+    gate, up = gu.chunk(2, -1)
+    bf16_like_torch(O.silu_mul(gu), F.silu(gate) * up)
+
+@pytest.mark.parametrize("shape", [(1, 9, 3, 64), (37, 9, 3, 64), (5, 4, 2, 20), (4, 3, 3, 6)])
+def test_rope_in_bfloat16(shape):
+    T, H, KVH, D = shape
+    g = torch.Generator().manual_seed(T * D + 1)
+    rot, qkv = Rotary(D, 512), torch.randn(T, (H + 2 * KVH) * D, generator=g).bfloat16()
+    pos = torch.randint(0, 512, (T,), generator=g)
+    q, k, v = qkv.split([H * D, KVH * D, KVH * D], -1)
+    rq, rk = rot(pos, q.reshape(T, H, D), k.reshape(T, KVH, D))
+    fq, fk, fv = O.split_qkv_rope(qkv, pos, rot.cos, rot.sin, H, KVH)
+    bf16_like_torch(fq, rq)
+    bf16_like_torch(fk, rk)
+    assert torch.equal(fv, v.reshape(T, KVH, D))
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_fuse_same_logits_in_bfloat16(family, tmp_path):
+    tiny_hf_model(family, tmp_path)
+    model, _, cfg = load_model(tmp_path, dtype="bfloat16", device="cpu")
+    ids, pos, lens = batch()
+    ref = logits(model, ids, pos, lens)
+    assert O.fuse_for_cpu(model) == cfg.num_hidden_layers
+    assert type(model.model.layers[0]) is O.FusedDecoderLayer
+    got = logits(model, ids, pos, lens)
+    torch.testing.assert_close(got, ref)
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+
+def test_engine_fuses_bfloat16(tmp_path, monkeypatch):
+    "A bfloat16 engine on the CPU fuses its layers and decodes the tokens its unfused twin decodes."
+    tiny_hf_model("qwen3", tmp_path)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 30, 12, 60)]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    kw = dict(dtype="bfloat16", log=False, num_gpu_blocks_override=64, max_model_len=128)
+    with monkeypatch.context() as m:
+        m.setenv("PAGEDNB_CPU_OPS", "0")
+        plain = LLM(str(tmp_path), **kw)
+        assert plain.engine.runner.fused == 0
+        want = [o.outputs[0].token_ids for o in plain.generate(prompts, sp, use_tqdm=False)]
+    fused = LLM(str(tmp_path), **kw)
+    assert fused.engine.runner.fused == 2
+    assert [o.outputs[0].token_ids for o in fused.generate(prompts, sp, use_tqdm=False)] == want
 
 def test_switched_off(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDNB_CPU_OPS", "0")
