@@ -88,7 +88,8 @@ def run_benchmarks(only=DEFAULT_BENCHMARKS, quick=False, threads=None, vllm_pyth
                system_len=system_len, long_len=long_len, guidellm=guidellm, model=model, engine=engine or {},
                replay=replay, vllm_dtypes=tuple(vllm_dtypes))
     if num_requests: ctx["workload"] = _workload(quick, num_requests)
-    dtype = str(parts[0].lm_head.weight.dtype).replace("torch.", "") if parts else "float32"
+    asked = (engine or {}).get("dtype") or "float32"           # servers only: the dtype they are asked for
+    dtype = str(parts[0].lm_head.weight.dtype).replace("torch.", "") if parts else asked
     report = dict(pagednb=getattr(pagednb, "__version__", "?"),
                   model=str(model or "SmolLM2-135M-Instruct (embedded)"),
                   dtype=dtype, machine=machine_info(), results={})
