@@ -339,17 +339,21 @@ def _query_rows(q0, nq, L, mq, P, first=None, sliding_window=None):
     return rows, visible(qpos[:, None, :, None], kpos[:, None, None, :], sliding_window)
 
 # %% ../nbs/04_paged_attention.ipynb #sdpa-dtype
+@functools.cache
+def _cpu_multiplies_bf16() -> bool:
+    "Does this CPU multiply bfloat16 natively (AVX512-BF16 or AMX, as oneDNN reports)? Asked once per process."
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
 def sdpa_dtype(query) -> torch.dtype:
     "The dtype the torch backend attends in: the query's, except float32 on a CPU without native bfloat16 products."
     if query.device.type != 'cpu' or query.dtype == torch.float32: return query.dtype
-    native = query.dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-    return query.dtype if native and torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+    return query.dtype if query.dtype == torch.bfloat16 and _cpu_multiplies_bf16() else torch.float32
 
 # %% ../nbs/04_paged_attention.ipynb #116daa2c
 def _read_kv(k, v, query, k_scale=1.0, v_scale=1.0):
     "Gathered K/V pages as attention computes them: as stored if already in `sdpa_dtype`, else in it times the scales."
-    if k.dtype == sdpa_dtype(query) and k_scale == 1.0 and v_scale == 1.0: return k, v     # `auto`: nothing to do
     dt = sdpa_dtype(query)
+    if k.dtype == dt and k_scale == 1.0 and v_scale == 1.0: return k, v     # `auto`: nothing to do
     return dequantize_kv(k, dt, k_scale), dequantize_kv(v, dt, v_scale)
 
 # %% ../nbs/04_paged_attention.ipynb #b4a3d480
@@ -400,7 +404,8 @@ def _attend_padded(out, query, k_cache, v_cache, g, scale, softcap=None, k_scale
         k.index_fill_(0, g.unused, 0)
         v.index_fill_(0, g.unused, 0)
     q = query[g.rows].transpose(1, 2)                                            # [n, H, mq, D]
-    q, k, v = q.to(sdpa_dtype(query)), k.to(sdpa_dtype(query)), v.to(sdpa_dtype(query))
+    dt = sdpa_dtype(query)
+    q, k, v = q.to(dt), k.to(dt), v.to(dt)                                      # no copy if already dt
     o = masked_sdpa(q, k.view(g.n, g.P, kvh, D).transpose(1, 2), v.view(g.n, g.P, kvh, D).transpose(1, 2),
                     g.mask, scale, softcap)
     out[g.rows] = o.transpose(1, 2).to(out.dtype)
@@ -417,7 +422,8 @@ def _attend_one(out, query, k_cache, v_cache, block_tables, s, L, q0, q1, scale,
     v = v_cache.index_select(0, blocks).view(-1, kvh, D)[:L - lo].transpose(0, 1)[None]
     k, v = _read_kv(k, v, query, k_scale, v_scale)                              # stored dtype -> sdpa_dtype
     q = query[q0:q1].transpose(0, 1)[None]                                      # [1, H, n, D]
-    q, k, v = q.to(sdpa_dtype(query)), k.to(sdpa_dtype(query)), v.to(sdpa_dtype(query))
+    dt = sdpa_dtype(query)
+    q, k, v = q.to(dt), k.to(dt), v.to(dt)                                      # no copy if already dt
     if n == L and sliding_window is None and softcap is None:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
