@@ -974,12 +974,12 @@ def _ready_text(o, hold):
 
 # %% ../nbs/06b_engine.ipynb #35b9ff86
 def stream_deltas(out: RequestOutput, sent: dict, hold=0):
-    "Deltas of a `RequestOutput` against `sent`: `{(request_id, index): (chars, tokens, done)}`."
+    "Deltas of a `RequestOutput` against `sent` (`{(request_id, index): (chars, tokens, done)}`): new tokens, their text."
     for o in out.outputs:
         key = (out.request_id, o.index)
         nc, nt, done = sent.get(key, (0, 0, False))
         text, fin = _ready_text(o, hold), o.finish_reason is not None
-        if done or (len(text) <= nc and not fin): continue
+        if done or (len(text) <= nc and len(o.token_ids) <= nt and not fin): continue   # nothing new
         sent[key] = (max(nc, len(text)), len(o.token_ids), fin)
         lps = o.logprobs[nt:len(o.token_ids)] if o.logprobs else None
         yield StreamDelta(out.request_id, o.index, text[nc:], o.token_ids[nt:], fin, o.finish_reason, lps,
@@ -988,7 +988,7 @@ def stream_deltas(out: RequestOutput, sent: dict, hold=0):
 # %% ../nbs/06b_engine.ipynb #d625c4a0
 @patch
 def stream(self: LLM, prompts, sampling_params=None):
-    "Generate, yielding a `StreamDelta` for each new piece of text; an iterator dropped early stops its requests."
+    "Generate, yielding each step's new tokens and text (`StreamDelta`); an iterator dropped early stops its requests."
     ids = self._add_all(prompts, sampling_params)
     sent = {}
     reqs = [self.engine.requests[i] for i in ids]
