@@ -113,10 +113,10 @@ class AsyncMPClient:
         threading.Thread(target=self._watch, name="pagednb-core-watchdog", daemon=True).start()
 
 # %% ../nbs/10c_core_client.ipynb #156ee61c
-CORE_SPINCOUNT = "2000"          # GNU OpenMP spin turns of the core's workers before they sleep
+CORE_SPINCOUNT = "300000"        # GNU OpenMP spin turns of the core's workers before they sleep (its default)
 
 def core_environ(environ=None) -> dict:
-    "The variables the core process starts with: a short OpenMP spin, unless the wait policy is set already."
+    "The variables the core process starts with: OpenMP's spin, unless the wait policy is set already."
     environ = os.environ if environ is None else environ
     if "OMP_WAIT_POLICY" in environ or "GOMP_SPINCOUNT" in environ: return {}
     return dict(GOMP_SPINCOUNT=CORE_SPINCOUNT)
