@@ -11,23 +11,40 @@ static inline bool worth_threads(int64_t elems, int nt) { return nt > 1 && elems
 typedef uint16_t bf16;
 typedef uint16_t u16x8 __attribute__((vector_size(16), aligned(2)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
-static inline v8 ld(const bf16* p) {
-  u16x8 h;
-  std::memcpy(&h, p, sizeof h);
-  const i8 b = __builtin_convertvector(h, i8) << 16;
-  v8 f;
-  std::memcpy(&f, &b, sizeof f);
-  return f;
-}
 static inline u32x8 bf16_bits(v8 x) {
   u32x8 u;
   std::memcpy(&u, &x, sizeof u);
   const u32x8 r = (u + 0x7fff + ((u >> 16) & 1)) >> 16;
   return (u & 0x7fffffff) > 0x7f800000u ? (u >> 16) | 0x40 : r;
 }
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+// A CPU with AVX512-BF16 rounds 8 floats to bfloat16 in one instruction (vcvtneps2bf16: nearest even, a NaN kept
+// a quiet NaN), as torch's own vectorized kernels do there, where the integer rounding above takes ten.
+#include <immintrin.h>
+static inline __m128bh bf16x8(v8 x) { return _mm256_cvtneps_pbh((__m256)x); }
+static inline void st(bf16* p, v8 x) {
+  const __m128bh h = bf16x8(x);
+  std::memcpy(p, &h, sizeof h);
+}
+// 8 bfloat16 widened to 32 bits in one instruction (vpmovzxwd), then shifted into the top half
+static inline v8 widen(__m128i h) { return (v8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16); }
+#else
 static inline void st(bf16* p, v8 x) {
   const u16x8 h = __builtin_convertvector(bf16_bits(x), u16x8);
   std::memcpy(p, &h, sizeof h);
+}
+#endif
+static inline v8 ld(const bf16* p) {
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+  return widen(_mm_loadu_si128((const __m128i*)p));
+#else
+  u16x8 h;
+  std::memcpy(&h, p, sizeof h);
+  const i8 b = __builtin_convertvector(h, i8) << 16;
+  v8 f;
+  std::memcpy(&f, &b, sizeof f);
+  return f;
+#endif
 }
 static inline float get(const float* p, int64_t i) { return p[i]; }
 static inline float get(const bf16* p, int64_t i) {
@@ -47,10 +64,14 @@ template <class E>
 static inline v8 held(v8 x) { return x; }
 template <>
 inline v8 held<bf16>(v8 x) {
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+  return widen((__m128i)bf16x8(x));
+#else
   const u32x8 b = bf16_bits(x) << 16;
   v8 f;
   std::memcpy(&f, &b, sizeof f);
   return f;
+#endif
 }
 template <class E>
 static inline float held(float x) {
