@@ -956,7 +956,7 @@ def chat(self: LLM, messages, sampling_params=None, use_tqdm=True, chat_template
 # %% ../nbs/06b_engine.ipynb #fc306ea2
 @dataclass
 class StreamDelta:
-    "A new piece of one output's text, with the tokens (and their logprobs) that made it."
+    "One output's new tokens (and their logprobs) and the new text they made, which may be empty."
     request_id: str
     index: int
     text: str
@@ -974,7 +974,7 @@ def _ready_text(o, hold):
 
 # %% ../nbs/06b_engine.ipynb #35b9ff86
 def stream_deltas(out: RequestOutput, sent: dict, hold=0):
-    "Deltas of a `RequestOutput` against `sent` (`{(request_id, index): (chars, tokens, done)}`): new tokens, their text."
+    "New tokens and text of a `RequestOutput` against `sent`: `{(request_id, index): (chars, tokens, done)}`."
     for o in out.outputs:
         key = (out.request_id, o.index)
         nc, nt, done = sent.get(key, (0, 0, False))

@@ -22,30 +22,27 @@ static inline u32x8 bf16_bits(v8 x) {
 // a quiet NaN), as torch's own vectorized kernels do there, where the integer rounding above takes ten.
 #include <immintrin.h>
 static inline __m128bh bf16x8(v8 x) { return _mm256_cvtneps_pbh((__m256)x); }
+// 8 bfloat16 widened to 32 bits in one instruction (vpmovzxwd), then shifted into the top half
+static inline v8 widen(__m128i h) { return (v8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16); }
+static inline v8 ld(const bf16* p) { return widen(_mm_loadu_si128((const __m128i*)p)); }
 static inline void st(bf16* p, v8 x) {
   const __m128bh h = bf16x8(x);
   std::memcpy(p, &h, sizeof h);
 }
-// 8 bfloat16 widened to 32 bits in one instruction (vpmovzxwd), then shifted into the top half
-static inline v8 widen(__m128i h) { return (v8)_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16); }
 #else
-static inline void st(bf16* p, v8 x) {
-  const u16x8 h = __builtin_convertvector(bf16_bits(x), u16x8);
-  std::memcpy(p, &h, sizeof h);
-}
-#endif
 static inline v8 ld(const bf16* p) {
-#if defined(__AVX512BF16__) && defined(__AVX512VL__)
-  return widen(_mm_loadu_si128((const __m128i*)p));
-#else
   u16x8 h;
   std::memcpy(&h, p, sizeof h);
   const i8 b = __builtin_convertvector(h, i8) << 16;
   v8 f;
   std::memcpy(&f, &b, sizeof f);
   return f;
-#endif
 }
+static inline void st(bf16* p, v8 x) {
+  const u16x8 h = __builtin_convertvector(bf16_bits(x), u16x8);
+  std::memcpy(p, &h, sizeof h);
+}
+#endif
 static inline float get(const float* p, int64_t i) { return p[i]; }
 static inline float get(const bf16* p, int64_t i) {
   const uint32_t b = uint32_t(p[i]) << 16;
