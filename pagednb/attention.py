@@ -412,7 +412,7 @@ def _attend_padded(out, query, k_cache, v_cache, g, scale, softcap=None, k_scale
 
 # %% ../nbs/04_paged_attention.ipynb #cadf2d1a
 def _attend_one(out, query, k_cache, v_cache, block_tables, s, L, q0, q1, scale, sliding_window=None,
-                softcap=None, k_scale=1.0, v_scale=1.0):
+                softcap=None, k_scale=1.0, v_scale=1.0, mask=None):
     "Attention for one sequence with many query tokens: gather its (visible) pages, one masked SDPA call."
     (T, H, D), (_, bs, kvh, _) = query.shape, k_cache.shape
     n = q1 - q0
@@ -428,7 +428,8 @@ def _attend_one(out, query, k_cache, v_cache, block_tables, s, L, q0, q1, scale,
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
         kpos, qpos = torch.arange(lo, L, device=q.device), torch.arange(L - n, L, device=q.device)
-        o = masked_sdpa(q, k, v, visible(qpos[:, None], kpos[None, :], sliding_window), scale, softcap)
+        seen = visible(qpos[:, None], kpos[None, :], sliding_window) if mask is None else mask   # or the plan's
+        o = masked_sdpa(q, k, v, seen, scale, softcap)
     out[q0:q1] = o[0].transpose(0, 1).to(out.dtype)
 
 # %% ../nbs/04_paged_attention.ipynb #2bcdb2ee
@@ -447,7 +448,7 @@ def length_buckets(seqs, lens, slack=0.25, min_size=4):
 class TorchAttentionPlan:
     "The torch backend's work that depends on a step's metadata alone: checked, built once, for every layer."
     def __init__(self, block_tables, seq_lens, query_start_loc, num_blocks, block_size, num_tokens=None,
-                 bucket_slack=0.25, sliding_window=None):
+                 bucket_slack=0.25, sliding_window=None, short=True):
         lens, qsl = seq_lens.tolist(), query_start_loc.tolist()
         self.num_tokens = qsl[-1] if num_tokens is None else num_tokens
         check_seq_metadata(lens, qsl, self.num_tokens, block_tables.shape[1], block_size)
@@ -455,9 +456,9 @@ class TorchAttentionPlan:
         check_window_args(sliding_window, None)
         self.num_blocks, self.block_size, self.sliding_window = num_blocks, block_size, sliding_window
         nq = [qsl[s + 1] - qsl[s] for s in range(len(lens))]
-        self._kinds = ([s for s, n in enumerate(nq) if n == 1],
-                       [s for s, n in enumerate(nq) if 1 < n <= _PAD_MAX_QUERY])
-        self._meta, self._windowed = (block_tables, lens, qsl, bucket_slack), {}
+        self._kinds = ([s for s, n in enumerate(nq) if n == 1],                 # short=False: another kernel
+                       [s for s, n in enumerate(nq) if 1 < n <= _PAD_MAX_QUERY]) if short else ([], [])
+        self._meta, self._windowed, self._masks = (block_tables, lens, qsl, bucket_slack), {}, {}
         self.long = [(s, lens[s], qsl[s], qsl[s + 1]) for s, n in enumerate(nq) if n > _PAD_MAX_QUERY]
 
     @functools.cached_property
@@ -476,6 +477,19 @@ def __repr__(self: TorchAttentionPlan):
     return (f"TorchAttentionPlan({self.num_tokens} tokens: {len(self.groups)} "
             f"padded groups {shapes}, {len(self.long)} long{window})")
 
+# %% ../nbs/04_paged_attention.ipynb #long-mask
+@patch
+def long_mask(self: TorchAttentionPlan, i, dtype, device):
+    "Long sequence `i`'s mask as SDPA adds it (0 seen, -inf not), made once a step; None where `is_causal` serves."
+    s, L, q0, q1 = self.long[i]
+    if q1 - q0 == L and self.sliding_window is None: return None
+    if (i, dtype) not in self._masks:
+        lo = _first_pages([0], [L], [0, q1 - q0], self.block_size, self.sliding_window)[0] * self.block_size
+        kpos, qpos = torch.arange(lo, L, device=device), torch.arange(L - (q1 - q0), L, device=device)
+        seen = visible(qpos[:, None], kpos[None, :], self.sliding_window)
+        self._masks[i, dtype] = torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(~seen, -math.inf)
+    return self._masks[i, dtype]
+
 # %% ../nbs/04_paged_attention.ipynb #sw-for-window
 @patch
 def for_window(self: TorchAttentionPlan, sliding_window):
@@ -487,7 +501,7 @@ def for_window(self: TorchAttentionPlan, sliding_window):
     if sliding_window not in self._windowed:
         w = self._windowed[sliding_window] = copy.copy(self)
         w.__dict__.pop('groups', None)
-        w.sliding_window, w._windowed = sliding_window, {}
+        w.sliding_window, w._windowed, w._masks = sliding_window, {}, {}
     return self._windowed[sliding_window]
 
 # %% ../nbs/04_paged_attention.ipynb #630b0ed9
@@ -507,9 +521,10 @@ def paged_attention_torch(query, k_cache, v_cache, block_tables, seq_lens, query
     plan, out = plan.for_window(sliding_window), torch.empty_like(query)
     kv_scales = dict(k_scale=k_scale, v_scale=v_scale)
     for g in plan.groups: _attend_padded(out, query, k_cache, v_cache, g, scale, softcap, **kv_scales)
-    for s, L, q0, q1 in plan.long:
+    for i, (s, L, q0, q1) in enumerate(plan.long):
+        mask = plan.long_mask(i, sdpa_dtype(query), query.device) if softcap is None else None   # a cap: its own
         _attend_one(out, query, k_cache, v_cache, block_tables, s, L, q0, q1, scale, sliding_window, softcap,
-                    **kv_scales)
+                    **kv_scales, mask=mask)
     return out
 
 # %% ../nbs/04_paged_attention.ipynb #8c7f889a

@@ -6,10 +6,10 @@ Docs: https://pagednb.github.io/pagednb/runner.html.md"""
 
 # %% auto #0
 __all__ = ['K_SCALE_CONSTANT', 'V_SCALE_CONSTANT', 'GRAPH_BATCH_SIZES', 'GiB', 'StepInputs', 'attention_path', 'cpu_kernel_order',
-           'block_table_tensor', 'token_slots', 'BlockTables', 'decode_inputs', 'layer_views', 'measured_kv_scale',
-           'PagedAttentionBackend', 'KVPrefetcher', 'ModelRunner', 'LayerCopies', 'CopyThread', 'graph_bucket',
-           'StaticDecodeInputs', 'DecodeGraphs', 'record_cuda_graph', 'model_bytes', 'GPUMemory', 'gpu_kv_budget',
-           'profile_gpu_memory', 'kv_budget', 'num_kv_blocks', 'kv_line', 'grouped_kv_line']
+           'query_rows', 'block_table_tensor', 'token_slots', 'BlockTables', 'decode_inputs', 'layer_views',
+           'measured_kv_scale', 'PagedAttentionBackend', 'KVPrefetcher', 'ModelRunner', 'LayerCopies', 'CopyThread',
+           'graph_bucket', 'StaticDecodeInputs', 'DecodeGraphs', 'record_cuda_graph', 'model_bytes', 'GPUMemory',
+           'gpu_kv_budget', 'profile_gpu_memory', 'kv_budget', 'num_kv_blocks', 'kv_line', 'grouped_kv_line']
 
 # %% ../nbs/06_runner.ipynb #ed8c50dc
 import contextlib, functools, itertools, math, os, queue, threading, time, weakref
@@ -20,7 +20,7 @@ from fastcore.basics import patch
 from .model import NoCacheAttention
 from .block_manager import kv_cache_shape, compute_slot_mapping
 from .attention import store_kv, paged_attention, default_backend, TorchAttentionPlan, kv_storage_dtype
-from .attention import check_kv_scale
+from .attention import check_kv_scale, _PAD_MAX_QUERY
 from .kv_cache import kv_bytes_per_token
 from .engine_args import check_knob
 from .hybrid_kv import kv_cache_groups, layer_slots, is_hybrid, max_concurrency, describe_groups
@@ -50,16 +50,24 @@ def group(self: StepInputs, g: int) -> tuple:
 
 # %% ../nbs/06_runner.ipynb #e40a8ce7
 def attention_path(backend, query, k_cache) -> str:
-    "'cpu' (the C++ kernel of `04a`) where it takes these tensors under the torch backend, else `backend`."
-    on_cpu = backend == "torch" and k_cache.device.type == "cpu"
-    return "cpu" if on_cpu and cpu_kernel_supports(query, k_cache) else backend
+    "'cpu' (the C++ kernel of `04a`), 'split' (it takes 16-bit decodes, SDPA the prompts) or `backend`."
+    if backend != "torch" or k_cache.device.type != "cpu": return backend
+    if cpu_kernel_supports(query, k_cache): return "cpu"
+    sixteen = query.dtype in (torch.bfloat16, torch.float16)
+    return "split" if sixteen and cpu_kernel_supports(query[:1].float(), k_cache) else backend
 
 # %% ../nbs/06_runner.ipynb #129fc2f8
-def cpu_kernel_order(seq_lens, query_start_loc):
-    "A step's sequences, costliest first (query tokens x length), so the kernel's threads share work evenly."
+def cpu_kernel_order(seq_lens, query_start_loc, most=None):
+    "A step's sequences (of at most `most` query tokens), costliest first (queries x length): even work per thread."
     lens, qsl = seq_lens.tolist(), query_start_loc.tolist()
-    cost = [lens[s] * (qsl[s + 1] - qsl[s]) for s in range(len(lens))]
-    return torch.tensor(sorted(range(len(lens)), key=lambda s: -cost[s]), dtype=torch.int32)
+    nq = [qsl[s + 1] - qsl[s] for s in range(len(lens))]
+    seqs = [s for s in range(len(lens)) if most is None or nq[s] <= most]
+    return torch.tensor(sorted(seqs, key=lambda s: -lens[s] * nq[s]), dtype=torch.int32)
+
+def query_rows(query_start_loc, seqs) -> torch.Tensor:
+    "The query rows of the sequences `seqs`, in their order."
+    qsl = query_start_loc.tolist()
+    return torch.tensor([t for s in seqs.tolist() for t in range(qsl[s], qsl[s + 1])], dtype=torch.long)
 
 # %% ../nbs/06_runner.ipynb #ba5203e0
 def block_table_tensor(tables):
@@ -193,7 +201,9 @@ def _prepare(self: PagedAttentionBackend, x, q, kc):
     backend = self.backend or default_backend(kc.device)
     self._step, self.path, self._torch = x, attention_path(backend, q, kc), backend == "torch"
     self.plans, self.kernels = {}, {}
-    self._order = cpu_kernel_order(x.seq_lens, x.query_start_loc) if self.path == "cpu" else None
+    most = _PAD_MAX_QUERY if self.path == "split" else None                    # split: decode-like ones only
+    self._order = cpu_kernel_order(x.seq_lens, x.query_start_loc, most) if self.path in ("cpu", "split") else None
+    self._rows = query_rows(x.query_start_loc, self._order) if self.path == "split" else None
 
 @patch
 def _prepare_group(self: PagedAttentionBackend, x, g, kc, spec):
@@ -201,8 +211,9 @@ def _prepare_group(self: PagedAttentionBackend, x, g, kc, spec):
     bt, slots = x.group(g)
     if self._torch:
         self.plans[g] = TorchAttentionPlan(bt, x.seq_lens, x.query_start_loc, kc.shape[0], kc.shape[1],
-                                           x.input_ids.shape[0], sliding_window=spec.window)
-    if self.path == "cpu":
+                                           x.input_ids.shape[0], sliding_window=spec.window,
+                                           short=self.path != "split")
+    if self.path in ("cpu", "split") and len(self._order):
         self.kernels[g] = KernelStep(kc, bt, x.seq_lens, x.query_start_loc, slots, spec.scale, seqs=self._order)
 
 # %% ../nbs/06_runner.ipynb #b4cd8d11
@@ -230,9 +241,22 @@ def __call__(self: PagedAttentionBackend, layer, q, k, v):
     bt, slots = x.group(g)
     if self._torch and cpu_store_supports(k, v, kc): store_kv_cpu(k, v, kc, vc, slots, **scales)   # C++ on a CPU
     else: store_kv(k, v, kc, vc, slots, backend=self.backend, **scales)
+    if self.path == "split": return self._attend_split(q, kc, vc, g, spec, kw, scales)
     return paged_attention(q, kc, vc, bt, x.seq_lens, x.query_start_loc, spec.scale, backend=self.backend,
                            max_query_len=x.max_query_len, max_seq_len=x.max_seq_len, plan=self.plans.get(g), **kw,
                            **scales)
+
+# %% ../nbs/06_runner.ipynb #attend-split
+@patch
+def _attend_split(self: PagedAttentionBackend, q, kc, vc, g, spec, kw, scales):
+    "16-bit queries: the C++ kernel takes the decode-like sequences (queries in float32), SDPA the prompts."
+    x, kernel, plan = self.inputs, self.kernels.get(g), self.plans[g]
+    short = kernel.attend(q.float().contiguous(), kc, vc, **kw, **scales) if kernel else None
+    if not plan.long: return short.to(q.dtype)                                    # a step of decodes only
+    out = paged_attention(q, kc, vc, x.group(g)[0], x.seq_lens, x.query_start_loc, spec.scale,
+                          backend=self.backend, plan=plan, **kw, **scales)       # the prompts' rows
+    if kernel: out[self._rows] = short[self._rows].to(q.dtype)
+    return out
 
 # %% ../nbs/06_runner.ipynb #2f18e467
 class KVPrefetcher:
