@@ -410,13 +410,23 @@ def _attend_padded(out, query, k_cache, v_cache, g, scale, softcap=None, k_scale
                     g.mask, scale, softcap)
     out[g.rows] = o.transpose(1, 2).to(out.dtype)
 
+# %% ../nbs/04_paged_attention.ipynb #chunk-keys
+def _chunk_keys(L, n, block_size, sliding_window=None) -> int:
+    "The first key position gathered for the last `n` of `L` tokens: the first page the window reaches."
+    return _first_pages([0], [L], [0, n], block_size, sliding_window)[0] * block_size
+
+def _chunk_seen(L, n, lo, sliding_window=None, device=None):
+    "Which of the keys `lo..L-1` each of the last `n` of `L` positions sees: `[n, L - lo]`, True where seen."
+    kpos, qpos = torch.arange(lo, L, device=device), torch.arange(L - n, L, device=device)
+    return visible(qpos[:, None], kpos[None, :], sliding_window)
+
 # %% ../nbs/04_paged_attention.ipynb #cadf2d1a
 def _attend_one(out, query, k_cache, v_cache, block_tables, s, L, q0, q1, scale, sliding_window=None,
                 softcap=None, k_scale=1.0, v_scale=1.0, mask=None):
     "Attention for one sequence with many query tokens: gather its (visible) pages, one masked SDPA call."
     (T, H, D), (_, bs, kvh, _) = query.shape, k_cache.shape
     n = q1 - q0
-    lo = _first_pages([0], [L], [0, n], bs, sliding_window)[0] * bs      # the first key position gathered
+    lo = _chunk_keys(L, n, bs, sliding_window)                            # the first key position gathered
     blocks = block_tables[s, lo // bs:-(-L // bs)].long()
     k = k_cache.index_select(0, blocks).view(-1, kvh, D)[:L - lo].transpose(0, 1)[None]   # [1, kvh, L - lo, D]
     v = v_cache.index_select(0, blocks).view(-1, kvh, D)[:L - lo].transpose(0, 1)[None]
@@ -427,8 +437,7 @@ def _attend_one(out, query, k_cache, v_cache, block_tables, s, L, q0, q1, scale,
     if n == L and sliding_window is None and softcap is None:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
-        kpos, qpos = torch.arange(lo, L, device=q.device), torch.arange(L - n, L, device=q.device)
-        seen = visible(qpos[:, None], kpos[None, :], sliding_window) if mask is None else mask   # or the plan's
+        seen = _chunk_seen(L, n, lo, sliding_window, q.device) if mask is None else mask     # or the plan's
         o = masked_sdpa(q, k, v, seen, scale, softcap)
     out[q0:q1] = o[0].transpose(0, 1).to(out.dtype)
 
@@ -482,11 +491,10 @@ def __repr__(self: TorchAttentionPlan):
 def long_mask(self: TorchAttentionPlan, i, dtype, device):
     "Long sequence `i`'s mask as SDPA adds it (0 seen, -inf not), made once a step; None where `is_causal` serves."
     s, L, q0, q1 = self.long[i]
-    if q1 - q0 == L and self.sliding_window is None: return None
+    n, w = q1 - q0, self.sliding_window
+    if n == L and w is None: return None
     if (i, dtype) not in self._masks:
-        lo = _first_pages([0], [L], [0, q1 - q0], self.block_size, self.sliding_window)[0] * self.block_size
-        kpos, qpos = torch.arange(lo, L, device=device), torch.arange(L - (q1 - q0), L, device=device)
-        seen = visible(qpos[:, None], kpos[None, :], self.sliding_window)
+        seen = _chunk_seen(L, n, _chunk_keys(L, n, self.block_size, w), w, device)
         self._masks[i, dtype] = torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill_(~seen, -math.inf)
     return self._masks[i, dtype]
 
