@@ -251,7 +251,8 @@ def __call__(self: PagedAttentionBackend, layer, q, k, v):
 def _attend_split(self: PagedAttentionBackend, q, kc, vc, g, spec, kw, scales):
     "16-bit queries: the C++ kernel takes the decode-like sequences (queries in float32), SDPA the prompts."
     x, kernel, plan = self.inputs, self.kernels.get(g), self.plans[g]
-    short = kernel.attend(q.to(torch.float32, memory_format=torch.contiguous_format), kc, vc, **kw, **scales) if kernel else None
+    q32 = q.to(torch.float32, memory_format=torch.contiguous_format)            # the kernel's queries: float32
+    short = kernel.attend(q32, kc, vc, **kw, **scales) if kernel else None
     if not plan.long: return short.to(q.dtype)                                    # a step of decodes only
     out = paged_attention(q, kc, vc, x.group(g)[0], x.seq_lens, x.query_start_loc, spec.scale,
                           backend=self.backend, plan=plan, **kw, **scales)       # the prompts' rows
