@@ -269,7 +269,7 @@ def validate(self: LLMEngine, prompt, params):
 @patch
 def _new_seq(self: LLMEngine, req, token_ids, index):
     "Sequence `index` of request `req`, with its own generator when the request has a `seed`."
-    seq = Sequence(next(self._seq_ids), token_ids, params=req.params)
+    seq = Sequence(next(self._seq_ids), token_ids, params=req.params, arrival_time=req.metrics.arrival_time)
     seq.request, seq.index = req, index
     seed = req.params.seed
     if seed is None: seq.generator = None

@@ -96,6 +96,11 @@ def _bytes(name, v):
     if v is not None and (not _number(v) or v < 1):
         raise ValueError(f"{name}={v!r} is invalid: it must be a number of bytes >= 1")
 
+def _seconds(name, v):
+    "None, or a finite number of seconds > 0."
+    if v is not None and (not _number(v) or not 0 < v < math.inf):
+        raise ValueError(f"{name}={v!r} is invalid: it must be a number of seconds > 0, or None for no target")
+
 def _non_negative(name, v):
     "A number >= 0."
     if not _number(v) or not v >= 0: raise ValueError(f"{name}={v!r} is invalid: it must be a number >= 0")
@@ -210,6 +215,8 @@ _HELP = dict(
                       "vLLM's priority needs request priorities, which pagednb does not take",
     decode_step_budget="token budget of a step that decodes, e.g. 256 (pagednb only; default: max_num_batched_tokens); "
                        "smaller keeps decodes' ITL low, while a step with no decode prefills at the whole budget",
+    ttft_slo="a time-to-first-token target in seconds, e.g. 3 (pagednb only; default: none): a prompt that has "
+             "waited longer with no token out is scheduled after those that can still make it",
     long_prefill_token_threshold="most tokens of one prompt in a step; 0: no cap (vLLM's default) "
                                  "(default: half the budget for a running prompt while another request waits)",
     kv_cache_dtype="the KV cache's storage dtype: auto (the model's dtype), float16, bfloat16, fp8 (= fp8_e4m3), "
@@ -277,6 +284,7 @@ class EngineArgs:
                                               at_least(1, none="the default"), type=positive_size)
     decode_step_budget: int | None = knob(None, _HELP["decode_step_budget"],
                                           at_least(1, none="max_num_batched_tokens"), type=positive_size)
+    ttft_slo: float | None = knob(None, _HELP["ttft_slo"], _seconds, type=float)
     max_num_seqs: int = knob(256, "most sequences in one step", at_least(1), type=positive_int)
     long_prefill_token_threshold: int | None = knob(None, _HELP["long_prefill_token_threshold"],
                                                     at_least(0, none="pagednb's share"), type=int)
@@ -360,7 +368,8 @@ def scheduler_config(args: EngineArgs, max_position_embeddings: int) -> Schedule
     budget = args.max_num_batched_tokens
     if budget is None: budget = 2048 if args.enable_chunked_prefill else max(2048, L)
     return SchedulerConfig(budget, args.max_num_seqs, L, args.enable_chunked_prefill,
-                           args.long_prefill_token_threshold, args.scheduling_policy, args.decode_step_budget)
+                           args.long_prefill_token_threshold, args.scheduling_policy, args.decode_step_budget,
+                           args.ttft_slo)
 
 # %% ../nbs/05a_engine_args.ipynb #ea-flag
 def _flag_kwargs(f, defaults=True) -> dict:

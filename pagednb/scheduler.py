@@ -138,6 +138,9 @@ def _check_scheduler_config(c):
     if d is not None and d < c.max_num_batched_tokens and not c.enable_chunked_prefill:
         raise ValueError(f"decode_step_budget={d} below max_num_batched_tokens needs enable_chunked_prefill=True: "
                          f"a whole prompt could not join a step that decodes")
+    s = c.ttft_slo
+    if s is not None and (isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 < s < float("inf")):
+        raise ValueError(f"ttft_slo must be None (no target) or a number of seconds > 0, got {s!r}")
     if c.scheduling_policy not in SCHEDULING_POLICIES:
         raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES} (vLLM's 'priority' needs request "
                          f"priorities, which pagednb does not take), got {c.scheduling_policy!r}")
@@ -153,6 +156,7 @@ class SchedulerConfig:
     long_prefill_token_threshold: int | None = None     # None: half the budget for a running prompt while others wait
     scheduling_policy: str = "fcfs"                     # or "shortest": the fewest prompt tokens first
     decode_step_budget: int | None = None               # a smaller budget for a step that decodes (pagednb only)
+    ttft_slo: float | None = None                       # seconds: prompts past it go last (pagednb only)
     def __post_init__(self): _check_scheduler_config(self)
 
 # %% ../nbs/05_scheduler.ipynb #db0f399f
@@ -163,6 +167,8 @@ class Scheduler:
         self.waiting, self.running = deque(), []
         self.num_preemptions, self.num_steps = 0, 0
         self.lookahead = None          # speculative decoding: seq -> number of draft tokens to make room for
+        self.clock = time.time         # what `ttft_slo` is measured by; a simulation sets its own
+        self.now = self.clock()        # read once a step
 
 # %% ../nbs/05_scheduler.ipynb #338c72d1
 @patch(as_prop=True)
@@ -215,16 +221,26 @@ def _preempt(self: Scheduler, seq: Sequence, plan: StepPlan):
     self.waiting.appendleft(seq)
     plan.preempted.append(seq.seq_id)
 
+# %% ../nbs/05_scheduler.ipynb #slo-late
+@patch
+def _late(self: Scheduler, seq: Sequence) -> bool:
+    "Has `seq` waited longer than `ttft_slo` (as of this step) with no token out yet? Never without a target."
+    slo = self.config.ttft_slo
+    return slo is not None and seq.num_output_tokens == 0 and self.now - seq.arrival_time > slo
+
 # %% ../nbs/05_scheduler.ipynb #sjf-next
 MAX_PASSED_OVER = 16        # under `shortest`, a waiting sequence is passed over at most this often
 
 @patch
-def _next_waiting(self: Scheduler) -> Sequence:
-    "The waiting sequence to admit next: the head, or under `shortest` the fewest tokens left to compute."
-    head = self.waiting[0]
+def _next_waiting(self: Scheduler, late=None) -> Sequence | None:
+    "The waiting sequence to admit next: the head, or under `shortest` the fewest tokens left; with `ttft_slo`, late last."
+    if late is None and self.config.ttft_slo is not None: return self._next_waiting(False) or self._next_waiting(True)
+    pool = self.waiting if late is None else [s for s in self.waiting if self._late(s) == late]
+    if not pool: return None
+    head = pool[0]
     if self.config.scheduling_policy == "fcfs" or head.num_preemptions: return head
     if head.passed_over >= MAX_PASSED_OVER: return head
-    return min(self.waiting, key=lambda s: s.num_uncomputed)          # the first of equals: arrival order
+    return min(pool, key=lambda s: s.num_uncomputed)                  # the first of equals: arrival order
 
 @patch
 def _dequeue(self: Scheduler, seq: Sequence):
@@ -254,7 +270,8 @@ def _one_could_join(self: Scheduler, than=None) -> bool:
     "A waiting sequence has a seat and a page to start on (under `shortest`: and fewer tokens left than `than`)."
     c = self.config
     if not self.waiting or len(self.running) >= c.max_num_seqs: return False
-    nxt = self._next_waiting()
+    nxt = self._next_waiting(False if than is not None and c.ttft_slo is not None and not self._late(than) else None)
+    if nxt is None: return False                                 # only late ones wait: an on-time prompt keeps its chunk
     if c.scheduling_policy == "shortest" and than is not None and nxt.num_uncomputed >= than.num_uncomputed: return False
     return self.bm.can_allocate(nxt, 1)
 
@@ -271,10 +288,11 @@ def _make_room(self: Scheduler, seq, n, k, plan, done) -> bool:
 
 # %% ../nbs/05_scheduler.ipynb #90e22f76
 @patch
-def _schedule_running(self: Scheduler, plan: StepPlan, budget: int) -> int:
-    "Pass 1: the running sequences, decodes first, preempting when pages run out; returns the budget left."
-    done = set()
-    for seq in sorted(self.running, key=self._run_order):               # stable: decodes first, oldest first
+def _schedule_running(self: Scheduler, plan: StepPlan, budget: int, late=None) -> int:
+    "Pass 1: the running sequences (or those `late` or not), decodes first, preempting when pages run out."
+    done = {sc.seq.seq_id for sc in plan.scheduled}                    # in the plan already: never a victim
+    seqs = self.running if late is None else [s for s in self.running if self._late(s) == late]
+    for seq in sorted(seqs, key=self._run_order):                       # stable: decodes first, oldest first
         if budget <= 0: break
         if seq.status is not SequenceStatus.RUNNING: continue            # preempted earlier in this loop
         cap = self._prefill_cap(seq=seq, whole=plan.token_budget) if seq.is_prefill else budget
@@ -289,11 +307,12 @@ def _schedule_running(self: Scheduler, plan: StepPlan, budget: int) -> int:
 
 # %% ../nbs/05_scheduler.ipynb #f92e635a
 @patch
-def _schedule_waiting(self: Scheduler, plan: StepPlan, budget: int) -> int:
-    "Pass 2: admit waiting sequences in policy order while budget, seats and pages last, none after a preemption."
+def _schedule_waiting(self: Scheduler, plan: StepPlan, budget: int, late=None) -> int:
+    "Pass 2: admit waiting sequences (or those `late` or not) in policy order while budget, seats and pages last."
     c, bm = self.config, self.bm
     while self.waiting and budget > 0 and len(self.running) < c.max_num_seqs and not plan.preempted:
-        seq = self._next_waiting()
+        seq = self._next_waiting(late)
+        if seq is None: break
         hits = bm.get_computed_blocks(seq)
         n = seq.num_tokens - len(hits)*bm.block_size
         if not c.enable_chunked_prefill and n > budget: break
@@ -317,10 +336,12 @@ def _step_budget(self: Scheduler) -> int:
 # %% ../nbs/05_scheduler.ipynb #36448819
 @patch
 def schedule(self: Scheduler) -> StepPlan:
-    "Decide the next step: which sequences run, with how many new tokens each."
-    plan = StepPlan(token_budget=self._step_budget())
-    budget = self._schedule_running(plan, plan.token_budget)
-    self._schedule_waiting(plan, budget)
+    "Decide the next step: which sequences run, with how many new tokens each; with `ttft_slo`, the late last."
+    self.now, plan = self.clock(), StepPlan(token_budget=self._step_budget())
+    late = None if self.config.ttft_slo is None else False
+    budget = self._schedule_waiting(plan, self._schedule_running(plan, plan.token_budget, late), late)
+    if late is not None:                         # the prompts past the target take what the others left
+        self._schedule_waiting(plan, self._schedule_running(plan, budget, True), True)
     self.num_steps += 1
     return plan
 

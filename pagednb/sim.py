@@ -1202,6 +1202,7 @@ class SimEngine:
         self.args, self.kv_bytes_per_token = a, sim.memory["kv_bytes_per_token"]
         self.block_manager = _sim_block_manager(sim)                  # with a second tier for kv_offloading_size
         self.scheduler = Scheduler(self.sched_config, self.block_manager)
+        self.scheduler.clock = lambda: self.now                         # `ttft_slo` waits in simulated time
         self.tokenizer, self.on_step, self.spec, self.now = None, None, None, 0.0
         self.offloading = False                                        # the simulated tier reports its own metrics
         self.stats = dict(prompt_tokens=0, generation_tokens=0, steps=0, busy_time=0.0, kv_cache_usage_peak=0.0)

@@ -52,6 +52,8 @@ CASES = {
     "shortest_preemption": dict(max_model_len=192, num_gpu_blocks_override=24, max_num_batched_tokens=128,
                                 scheduling_policy="shortest"),
     "decode_step_budget": dict(max_model_len=1024, max_num_batched_tokens=256, decode_step_budget=16),
+    "ttft_slo_all_late": dict(max_model_len=1024, max_num_batched_tokens=32, scheduling_policy="shortest",
+                              ttft_slo=1e-6),
 }
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -26,6 +26,8 @@ PAGEDNB_ONLY = {
                         "puts the whole model in bfloat16",
         "decode_step_budget": "a smaller token budget for the steps that carry a decode; vLLM has one "
                               "max_num_batched_tokens for every step",
+        "ttft_slo": "a first-token target in seconds: prompts already past it are scheduled after those that can "
+                    "still meet it; vLLM schedules first come, first served or by priority",
     },
     "sampling": {
         "truncate_prompt_tokens": "vLLM 0.32 takes it per request (its tokenization parameters); pagednb keeps it on "
@@ -41,6 +43,8 @@ PAGEDNB_ONLY = {
                           "puts the whole model in bfloat16",
         "--decode-step-budget": "a smaller token budget for the steps that carry a decode; vLLM has one "
                                 "--max-num-batched-tokens for every step",
+        "--ttft-slo": "a first-token target in seconds: prompts already past it are scheduled after those that can "
+                      "still meet it; vLLM schedules first come, first served or by priority",
         "--disable-frontend-multiprocessing": "runs the engine in a thread of the API server; vLLM 0.32 switches this "
                                               "with VLLM_ENABLE_V1_MULTIPROCESSING=0 (older vLLM had this flag)",
         "--max-n": "caps a request's `n` so one request cannot fill a small CPU's KV cache; vLLM has no cap",
