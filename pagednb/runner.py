@@ -27,6 +27,7 @@ from .hybrid_kv import kv_cache_groups, layer_slots, is_hybrid, max_concurrency,
 from .cpu_ops import fuse_for_cpu, can_pack, pack_linears, hoist_attributes, PACK_MIN_NUMEL, matmul_torch_dtype
 from .cpu_attention import zeros_huge_pages, populate, cpu_kernel_supports, KernelStep
 from .cpu_attention import cpu_store_supports, store_kv_cpu
+from .amx_attention import amx_supports, paged_prompts_amx
 
 # %% ../nbs/06_runner.ipynb #cb1ac084
 @dataclass
@@ -249,15 +250,24 @@ def __call__(self: PagedAttentionBackend, layer, q, k, v):
 # %% ../nbs/06_runner.ipynb #attend-split
 @patch
 def _attend_split(self: PagedAttentionBackend, q, kc, vc, g, spec, kw, scales):
-    "16-bit queries: the C++ kernel takes the decode-like sequences (queries in float32), SDPA the prompts."
+    "16-bit queries: the C++ kernel takes the decode-like sequences (queries in float32), AMX or SDPA the prompts."
     x, kernel, plan = self.inputs, self.kernels.get(g), self.plans[g]
     q32 = q.to(torch.float32, memory_format=torch.contiguous_format)            # the kernel's queries: float32
     short = kernel.attend(q32, kc, vc, **kw, **scales) if kernel else None
     if not plan.long: return short.to(q.dtype)                                    # a step of decodes only
-    out = paged_attention(q, kc, vc, x.group(g)[0], x.seq_lens, x.query_start_loc, spec.scale,
-                          backend=self.backend, plan=plan, **kw, **scales)       # the prompts' rows
+    out = self._prompts(q, kc, vc, g, spec, kw, scales)                           # the prompts' rows
     if kernel: out[self._rows] = short[self._rows].to(q.dtype)
     return out
+
+@patch
+def _prompts(self: PagedAttentionBackend, q, kc, vc, g, spec, kw, scales):
+    "The step's prompts (more than 16 query tokens): on AMX tiles (`04c`) where the kernel takes them, else SDPA."
+    x, plan = self.inputs, self.plans[g]
+    if amx_supports(q, kc, kw.get("softcap"), **scales):
+        window = kw.get("sliding_window")
+        return paged_prompts_amx(torch.empty_like(q), q, kc, vc, x.group(g)[0], plan.long, spec.scale, window)
+    return paged_attention(q, kc, vc, x.group(g)[0], x.seq_lens, x.query_start_loc, spec.scale,
+                           backend=self.backend, plan=plan, **kw, **scales)
 
 # %% ../nbs/06_runner.ipynb #2f18e467
 class KVPrefetcher:

@@ -9,7 +9,7 @@ import pytest
 
 PKG = Path(__file__).resolve().parent.parent / "pagednb"
 MODULES = sorted(p.stem for p in PKG.glob("*.py") if p.stem != "_modidx")
-KERNELS = ("attention", "cpu_attention", "cpu_ops")
+KERNELS = ("attention", "cpu_attention", "cpu_ops", "amx_attention")
 VIEWS = ("plots", "figures", "compare_views", "attention_views", "widgets", "sim_views")     # the drawing code
 
 def _target(node):
@@ -88,7 +88,7 @@ def test_scheduler_imports_no_model_runner_or_engine():
 
 def test_kernels_are_leaves():
     check(importers_of(KERNELS, ["engine", "runner", "scheduler", *VIEWS]),
-          "kernels (attention, cpu_attention, cpu_ops) are leaves: they import no engine, runner, scheduler "
+          "kernels (attention, cpu_attention, cpu_ops, amx_attention) are leaves: they import no engine, runner, scheduler "
           "or view")
 
 SERVER = ["protocol", "metrics", "core", "core_client", "serving", "serve"]     # the server's rooms, lowest first
@@ -207,7 +207,7 @@ FLOORS = {   # floor -> the modules on it, as ARCHITECTURE.md draws them
         "metrics", "vllm_read", "vllm_events"],
     2: ["model", "scheduler", "prefix_cache", "plots"],
     3: ["cpu_attention", "engine_args", "figures", "kv_offload"],
-    4: ["cpu_ops", "compare_views", "attention_views"],
+    4: ["cpu_ops", "amx_attention", "compare_views", "attention_views"],
     5: ["runner"], 6: ["spec_decode"], 7: ["engine"],
     8: ["core", "live_engine", "bench", "sim", "puzzles"],
     9: ["core_client", "widgets", "sim_views", "bench_serving"], 10: ["serving", "replay"],

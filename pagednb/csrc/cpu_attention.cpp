@@ -5,21 +5,6 @@
 #include <immintrin.h>
 #endif
 
-// exp(x) for x <= 0, a vector V of floats at a time (I: ints of the same width): 2^n * e^r with
-// n = round(x / ln 2), |r| <= ln 2 / 2, and a degree-6 Taylor polynomial for e^r
-template <class V, class I>
-static inline V exp_neg(V x) {
-  // e^x < 2^-125 there: returned as 0 (2^n would underflow)
-  const auto tiny = x < -87.f;
-  x = tiny ? V{} - 87.f : x;
-  V nr;
-  const V p = exp_reduced(x, &nr);
-  const I bits = (__builtin_convertvector(nr, I) + 127) << 23;  // 2^n as a float's exponent bits
-  V two_n;
-  std::memcpy(&two_n, &bits, sizeof bits);
-  return tiny ? V{} : p * two_n;
-}
-
 static inline float hmax(v8 x) {
   float a = std::max(std::max(x[0], x[4]), std::max(x[1], x[5])),
         b = std::max(std::max(x[2], x[6]), std::max(x[3], x[7]));
