@@ -77,17 +77,26 @@ def amx_supports(query, k_cache, softcap=None, k_scale=1.0, v_scale=1.0) -> bool
     return bool(lib.pagednb_amx_supports(query.shape[1], k_cache.shape[2], query.shape[2]))
 
 # %% ../nbs/04c_amx_attention.ipynb #check-chunk
-def _check_chunk(query, k_cache, v_cache, block_table, seq_len):
-    "Raise, naming the argument, unless one sequence's chunk fits its cache and block table."
+def _check_caches(query, k_cache, v_cache):
+    "Raise, naming the argument, unless the two caches are alike and fit the query's heads."
     n, H, D = query.shape
-    if v_cache.shape != k_cache.shape: raise ValueError(f"v_cache {tuple(v_cache.shape)} must match k_cache {tuple(k_cache.shape)}")
+    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype or not v_cache.is_contiguous():
+        raise ValueError(f"v_cache ({tuple(v_cache.shape)}, {v_cache.dtype}) must match k_cache ({tuple(k_cache.shape)}, "
+                         f"{k_cache.dtype}) and be contiguous")
     if k_cache.shape[3] != D or H % k_cache.shape[2]:
         raise ValueError(f"query [n, {H}, {D}] does not fit k_cache [blocks, block_size, {k_cache.shape[2]}, {k_cache.shape[3]}]: "
                          "head_dim must match and the query heads be a multiple of the kv heads")
+
+def _check_chunk(query, k_cache, v_cache, block_table, seq_len):
+    "Raise, naming the argument, unless one sequence's chunk fits its cache and block table (the ids the kernel reads)."
+    _check_caches(query, k_cache, v_cache)
+    n, pages = query.shape[0], -(-seq_len // k_cache.shape[1])
     if not 1 <= n <= seq_len: raise ValueError(f"seq_len={seq_len} must be at least the {n} query tokens (and n >= 1)")
-    pages = -(-seq_len // k_cache.shape[1])
     if block_table.dim() != 1 or block_table.shape[0] < pages:
         raise ValueError(f"block_table must be one row of at least {pages} block ids for seq_len={seq_len}, got shape {tuple(block_table.shape)}")
+    ids = block_table[:pages]
+    if int(ids.min()) < 0 or int(ids.max()) >= k_cache.shape[0]:
+        raise ValueError(f"block_table holds ids outside the cache's {k_cache.shape[0]} blocks: {ids.tolist()}")
 
 # %% ../nbs/04c_amx_attention.ipynb #chunk-attention
 def chunk_attention_amx(query, k_cache, v_cache, block_table, seq_len, scale, sliding_window=None, threads=None):

@@ -95,6 +95,9 @@ def test_bad_input_names_the_argument():
     with pytest.raises(ValueError, match="block_table must be one row"): call(block_table=p.block_tables)
     with pytest.raises(ValueError, match="seq_len=10 must be at least the 20 query tokens"): call(seq_len=10)
     with pytest.raises(ValueError, match="v_cache .* must match k_cache"): call(v_cache=p.v_cache[:, :8])
+    with pytest.raises(ValueError, match="v_cache .* must match k_cache"): call(v_cache=p.v_cache.half())
+    with pytest.raises(ValueError, match="block_table holds ids outside the cache's"): call(block_table=bt + p.k_cache.shape[0])
+    with pytest.raises(ValueError, match="block_table holds ids outside"): call(block_table=bt - 100)
     with pytest.raises(ValueError, match="sliding_window"): call(sliding_window=0)
     with pytest.raises(ValueError, match="AMX kernel takes bfloat16 query and cache.*got torch.float32"):
         call(query=p.query.float(), k_cache=p.k_cache.float(), v_cache=p.v_cache.float())
