@@ -7,12 +7,13 @@ Docs: https://pagednb.github.io/pagednb/paged_attention.html.md"""
 # %% auto #0
 __all__ = ['KV_STORAGE_DTYPES', 'INTERPRETED', 'MIXED_INTERPRETER', 'NO_WINDOW', 'LOG2E', 'MIN_SPLIT_TOKENS', 'MAX_SPLITS',
            'BACKENDS', 'gather_slots', 'visible', 'paged_attention_spec', 'PagedProblem', 'make_paged_problem',
-           'masked_sdpa', 'contiguous_attention', 'check_attention_args', 'check_window_args', 'check_seq_metadata',
-           'check_block_tables', 'kv_storage_dtype', 'check_kv_scale', 'quantize_kv', 'dequantize_kv', 'sdpa_dtype',
-           'PaddedGroup', 'pad_group', 'length_buckets', 'TorchAttentionPlan', 'paged_attention_torch',
-           'check_store_args', 'check_slots', 'store_kv_torch', 'decode_bytes', 'store_kv_triton', 'paged_decode_naive',
-           'paged_decode', 'paged_attention_multi', 'AttentionPlan', 'plan_attention', 'paged_attention_triton',
-           'trace_pages', 'plot_pages_read', 'default_backend', 'check_triton_device', 'store_kv', 'paged_attention']
+           'masked_sdpa', 'chunk_reference', 'contiguous_attention', 'check_attention_args', 'check_window_args',
+           'check_seq_metadata', 'check_block_tables', 'kv_storage_dtype', 'check_kv_scale', 'quantize_kv',
+           'dequantize_kv', 'sdpa_dtype', 'PaddedGroup', 'pad_group', 'length_buckets', 'TorchAttentionPlan',
+           'paged_attention_torch', 'check_store_args', 'check_slots', 'store_kv_torch', 'decode_bytes',
+           'store_kv_triton', 'paged_decode_naive', 'paged_decode', 'paged_attention_multi', 'AttentionPlan',
+           'plan_attention', 'paged_attention_triton', 'trace_pages', 'plot_pages_read', 'default_backend',
+           'check_triton_device', 'store_kv', 'paged_attention']
 
 # %% ../nbs/04_paged_attention.ipynb #c5bc1e4e
 import copy, functools, math, os, sys
@@ -177,17 +178,20 @@ def masked_sdpa(q, k, v, mask, scale, softcap=None):
     return scores.masked_fill(~mask, float('-inf')).softmax(-1) @ v
 
 # %% ../nbs/04_paged_attention.ipynb #9c1f8997
+def chunk_reference(q, k, v, scale, sliding_window=None, softcap=None):
+    "The last `n` of `L` tokens attending in float32, densely masked: q [n, H, D], k and v [L, KVH, D] -> [n, H, D]."
+    n, L = q.shape[0], k.shape[0]
+    mask = visible(torch.arange(L - n, L)[:, None], torch.arange(L)[None, :], sliding_window).to(q.device)
+    o = masked_sdpa(q.float().transpose(0, 1), k.float().transpose(0, 1), v.float().transpose(0, 1), mask, scale, softcap)
+    return o.transpose(0, 1)
+
 def contiguous_attention(p: PagedProblem):
     "Attention of `p` computed from its contiguous per-sequence K/V, densely masked (no paging at all)."
-    outs, qsl = [], p.query_start_loc.tolist()
-    for s, (k, v) in enumerate(zip(p.k_seqs, p.v_seqs)):
-        q = p.query[qsl[s]:qsl[s + 1]].float().transpose(0, 1)                 # [H, n, D]
-        n, L = q.shape[1], k.shape[0]
-        mask = visible(torch.arange(L - n, L)[:, None], torch.arange(L)[None, :], p.sliding_window)
-        o = masked_sdpa(q, k.float().transpose(0, 1), v.float().transpose(0, 1), mask.to(q.device), p.scale,
-                        p.softcap)
-        outs.append(o.transpose(0, 1).to(p.query.dtype))
-    return torch.cat(outs)
+    qsl = p.query_start_loc.tolist()
+    outs = [chunk_reference(p.query[qsl[s]:qsl[s + 1]], k, v, p.scale, p.sliding_window, p.softcap)
+            for s, (k, v) in enumerate(zip(p.k_seqs, p.v_seqs))]
+    return torch.cat(outs).to(p.query.dtype)
+
 
 # %% ../nbs/04_paged_attention.ipynb #89cb7a30
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)

@@ -7,12 +7,13 @@ Docs: https://pagednb.github.io/pagednb/replay.html.md"""
 # %% auto #0
 __all__ = ['SALT', 'NOT_SENT', 'INCOMPLETE', 'VLLM_REPLAY_FLAGS', 'RUN_KEYS', 'check_url', 'request_body', 'check_replay',
            'offered_rate', 'RequestResult', 'StubServer', 'Replay', 'replay', 'Target', 'request_itl', 'summarize',
-           'search_rate', 'attainment', 'read_off', 'default_rates', 'sweep_replay', 'plot_attainment',
-           'serve_and_sweep', 'warm_up', 'fit_workload', 'side_by_side', 'format_replay', 'add_replay_args',
-           'replay_options', 'load_workload', 'one_run', 'bench_replay', 'replay_json_lines']
+           'rate_search', 'in_lockstep', 'search_rate', 'attainment', 'read_off', 'default_rates', 'replay_measure',
+           'sweep_together', 'sweep_replay', 'plot_attainment', 'replay_server', 'serve_together', 'warm_up',
+           'fit_workload', 'side_by_side', 'format_replay', 'add_replay_args', 'replay_options', 'load_workload',
+           'one_run', 'bench_replay', 'replay_json_lines']
 
 # %% ../nbs/09h_replay.ipynb #rp-imports
-import asyncio, concurrent.futures, ipaddress, json, math, os, random, re, shlex, threading, time
+import asyncio, concurrent.futures, contextlib, ipaddress, json, math, os, random, re, shlex, threading, time
 from dataclasses import asdict, dataclass, field
 from urllib.parse import urlsplit
 import numpy as np
@@ -336,19 +337,35 @@ def summarize(rep, target=Target()) -> dict:
                 first_error=next((r.error for r in rep.requests if _status(r) == "errored"), None))
 
 # %% ../nbs/09h_replay.ipynb #rp-search
-def search_rate(measure, rates, share=0.9, bisect=2) -> dict:
-    "The highest rate whose `measure(rate)['attainment']` is >= `share`: each of `rates` swept, then bisected."
+def rate_search(rates, share=0.9, bisect=2):
+    "`search_rate` as a generator: yields each rate to measure, is sent that rate's point, returns the goodput."
     if not rates or any(isinstance(r, bool) or not r > 0 for r in rates):
         raise ValueError(f"rates={rates!r} is invalid: give request rates > 0 to sweep")
-    pts, ok = {}, lambda r: pts.setdefault(r, measure(r))["attainment"] >= share
-    met = [ok(r) for r in sorted(rates)]
+    pts, swept = {}, sorted(set(rates))
+    for r in swept: pts[r] = yield r
+    met = [pts[r]["attainment"] >= share for r in swept]
     miss = met.index(False) if False in met else len(met)
-    lo, hi = (sorted(rates)[miss - 1] if miss else None), (sorted(rates)[miss] if miss < len(met) else None)
+    lo, hi = (swept[miss - 1] if miss else None), (swept[miss] if miss < len(met) else None)
     for _ in range(bisect if lo and hi else 0):
         mid = math.sqrt(lo * hi)
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+        pts[mid] = yield mid
+        lo, hi = (mid, hi) if pts[mid]["attainment"] >= share else (lo, mid)
     points = [dict(pts[r], rate=round(r, 4)) for r in sorted(pts)]
     return dict(goodput_rps=round(lo or 0.0, 4), bracket=[lo, hi], share=share, points=points)
+
+def in_lockstep(searches: dict, measures: dict) -> dict:
+    "Drive `rate_search`es together: each round, every unfinished search measures its next rate, in turn."
+    asked, found = {name: next(s) for name, s in searches.items()}, {}
+    while asked:
+        for name in list(asked):
+            try: asked[name] = searches[name].send(measures[name](asked[name]))
+            except StopIteration as done: found[name] = done.value; del asked[name]
+    return {name: found[name] for name in searches}
+
+def search_rate(measure, rates, share=0.9, bisect=2) -> dict:
+    "The highest rate whose `measure(rate)['attainment']` is >= `share`: each of `rates` swept, then bisected."
+    return in_lockstep({0: rate_search(rates, share, bisect)}, {0: measure})[0]
+
 
 # %% ../nbs/09h_replay.ipynb #6e0b7c6d
 def attainment(rep, target) -> float:
@@ -370,18 +387,30 @@ def default_rates(workload, max_requests=None) -> list:
     if math.isinf(base): raise ValueError(f"{workload.name}: every request arrives at once, so it has no rate to scale")
     return [round(base * f, 4) for f in (0.25, 0.5, 1, 2, 4)]
 
-def sweep_replay(workload, url, target=Target(), rates=None, bisect=2, on_run=None, also=(), **kw) -> dict:
-    "Replay `workload` at each of `rates` (default: 1/4 to 4 times its own), then bisect; `also`: read off the runs."
-    base = offered_rate(check_replay(workload, 1.0, kw.get("max_requests")))
+def replay_measure(workload, url, target=Target(), on_run=None, also=(), **kw):
+    "`measure(rate)` for a search: `workload` replayed on `url` at that rate, with a salt of its own, summarized."
+    base, salts = offered_rate(check_replay(workload, 1.0, kw.get("max_requests"))), iter(range(SALT, 1 << 30))
     if math.isinf(base): raise ValueError(f"{workload.name}: every request arrives at once, so it has no rate to scale")
-    rates, salts = rates or default_rates(workload, kw.get("max_requests")), iter(range(SALT, 1 << 30))
     def measure(rate):
         rep = replay(workload, url, time_scale=base / rate, salt=next(salts), **kw)
         s = dict(summarize(rep, target), also=[attainment(rep, t) for t in also])
         if on_run: on_run(s)
         return s
-    out = dict(search_rate(measure, rates, target.attainment, bisect), target=asdict(target))
-    return dict(out, also=[read_off(out["points"], i, t) for i, t in enumerate(also)])
+    return measure
+
+def sweep_together(urls: dict, workload, target=Target(), rates=None, bisect=2, on_run=None, also=(), **kw) -> dict:
+    "`sweep_replay` on each server of `urls` ({name: url}) in lockstep; `on_run` sees each run with its `server`."
+    rates = rates or default_rates(workload, kw.get("max_requests"))
+    tell = lambda name: on_run and (lambda s: on_run(dict(server=name, **s)))
+    measures = {n: replay_measure(workload, u, target, tell(n), also, **kw) for n, u in urls.items()}
+    found = in_lockstep({n: rate_search(rates, target.attainment, bisect) for n in urls}, measures)
+    also_of = lambda g: [read_off(g["points"], i, t) for i, t in enumerate(also)]
+    return {n: dict(g, target=asdict(target), also=also_of(g)) for n, g in found.items()}
+
+def sweep_replay(workload, url, target=Target(), rates=None, bisect=2, on_run=None, also=(), **kw) -> dict:
+    "Replay `workload` at each of `rates` (default: 1/4 to 4 times its own), then bisect; `also`: read off the runs."
+    return sweep_together({url: url}, workload, target, rates, bisect, on_run, also, **kw)[url]
+
 
 # %% ../nbs/09h_replay.ipynb #rp-plot
 def plot_attainment(sweeps: dict, title=None):
@@ -401,18 +430,26 @@ def plot_attainment(sweeps: dict, title=None):
 # %% ../nbs/09h_replay.ipynb #rp-serve
 VLLM_REPLAY_FLAGS = ["--enable-prompt-tokens-details"]       # vLLM reports cached prompt tokens only with it
 
-def serve_and_sweep(engine, workload, target=Target(), rates=None, python=None, model=None, threads=2, kv_gib=1,
-                    max_model_len=2048, knobs=None, dtype="float32", flags=(), **kw) -> dict:
-    "Start `engine`'s server (`ServerProcess`), sweep `workload` on it, stop it: the sweep, or a `skipped` record."
+def replay_server(engine, python=None, model=None, threads=2, kv_gib=1, max_model_len=2048, knobs=None,
+                  dtype="float32", flags=()) -> ServerProcess:
+    "One server of a side by side, not yet started: engine knobs reach `pagednb serve` only, `flags` vLLM only."
     sp = ServerProcess(engine, resolve_model_path(model), threads=threads, kv_gib=kv_gib, python=python,
                        max_model_len=max_model_len, knobs=knobs if engine == "pagednb" else None, dtype=dtype)
     if engine == "vllm": sp.cmd += VLLM_REPLAY_FLAGS + list(flags)
-    try:
-        with sp as s:
-            warm_up(s.url)
-            sweep = sweep_replay(fit_workload(workload, max_model_len), s.url, target, rates, model=SERVED_NAME, **kw)
-            return dict(sweep, engine=engine, server_start_s=s.start_s)
-    except RuntimeError as e: return dict(engine=engine, skipped=str(e))
+    return sp
+
+def serve_together(specs: dict, workload, target=Target(), rates=None, **kw) -> dict:
+    "Start each server of `specs` ({name: `replay_server` keywords}), sweep them in lockstep, stop them."
+    out, up = {}, {}
+    with contextlib.ExitStack() as stack:
+        for name, spec in specs.items():
+            try: up[name] = stack.enter_context(replay_server(**spec))
+            except RuntimeError as e: out[name] = dict(engine=spec["engine"], skipped=str(e))
+        for s in up.values(): warm_up(s.url)
+        sweeps = sweep_together({n: s.url for n, s in up.items()}, workload, target, rates, model=SERVED_NAME, **kw)
+        out |= {n: dict(sweeps[n], engine=specs[n]["engine"], server_start_s=s.start_s) for n, s in up.items()}
+    return {name: out[name] for name in specs}
+
 
 # %% ../nbs/09h_replay.ipynb #rp-warm
 def warm_up(url, n=2):
@@ -427,23 +464,34 @@ def fit_workload(workload, max_model_len) -> Workload:
 
 # %% ../nbs/09h_replay.ipynb #rp-sbs
 def _vllm_servers(dtypes, flags) -> list:
-    "(name, `serve_and_sweep` keywords) of each vLLM server: one per dtype, then one per set of `--vllm-flags`."
+    "(name, `replay_server` keywords) of each vLLM server: one per dtype, then one per set of `--vllm-flags`."
     runs = [("vllm serve" if d == "float32" else f"vllm serve ({d})", dict(dtype=d)) for d in dtypes]
     return runs + [(f"vllm serve ({' '.join(f)})", dict(dtype=dtypes[0], flags=f)) for f in flags]
 
-def side_by_side(workload, target=Target(), rates=None, vllm_python=None, vllm_dtypes=("float32",), vllm_flags=(),
-                 **kw) -> dict:
-    "`pagednb serve`, then `vllm serve` at each of `vllm_dtypes`, then with each of `vllm_flags` (given a vLLM venv)."
-    vllm_python, knobs = find_vllm_python(vllm_python), kw.pop("knobs", None)
-    kw["max_model_len"] = (knobs or {}).get("max_model_len", kw.get("max_model_len", 2048))     # the same for both
-    workload = fit_workload(workload, kw["max_model_len"])
-    rates = rates or default_rates(workload, kw.get("max_requests"))                             # the same for both
-    servers = {"pagednb serve": serve_and_sweep("pagednb", workload, target, rates, knobs=knobs, **kw)}
-    why = "no vLLM venv: pass --vllm-python PATH or set $PAGEDNB_VLLM_PYTHON"
+def _server_specs(vllm_python, vllm_dtypes, vllm_flags, knobs, kw) -> dict:
+    "{name: `replay_server` keywords} of a side by side, taking the server's keywords out of `kw`."
+    common = {k: kw.pop(k) for k in ("model", "threads", "kv_gib", "max_model_len") if k in kw}
+    specs = {"pagednb serve": dict(engine="pagednb", knobs=knobs, **common)}
     for name, how in _vllm_servers(vllm_dtypes, vllm_flags):                 # vLLM keeps its own defaults
-        run = vllm_python and serve_and_sweep("vllm", workload, target, rates, python=vllm_python, **how, **kw)
-        servers[name] = run or dict(engine="vllm", skipped=why)
+        specs[name] = vllm_python and dict(engine="vllm", python=vllm_python, **how, **common)
+    return specs
+
+def side_by_side(workload, target=Target(), rates=None, vllm_python=None, vllm_dtypes=("float32",), vllm_flags=(),
+                 one_at_a_time=False, **kw) -> dict:
+    "`pagednb serve` and `vllm serve` at each of `vllm_dtypes` and with each of `vllm_flags`, swept rate by rate in turn."
+    vllm_python, knobs = find_vllm_python(vllm_python), kw.pop("knobs", None)
+    kw["max_model_len"] = (knobs or {}).get("max_model_len", kw.get("max_model_len", 2048))     # the same for all
+    workload = fit_workload(workload, kw["max_model_len"])
+    rates = rates or default_rates(workload, kw.get("max_requests"))                             # the same for all
+    specs = _server_specs(vllm_python, vllm_dtypes, vllm_flags, knobs, kw)
+    ready = {name: spec for name, spec in specs.items() if spec}
+    servers = {}
+    for group in ([{n: s} for n, s in ready.items()] if one_at_a_time else [ready]):
+        servers |= serve_together(group, workload, target, rates, **kw)
+    why = dict(engine="vllm", skipped="no vLLM venv: pass --vllm-python PATH or set $PAGEDNB_VLLM_PYTHON")
+    servers = {name: servers.get(name, why) for name in specs}
     return dict(workload=workload.describe(), target=asdict(target), machine=machine_info(), servers=servers)
+
 
 # %% ../nbs/09h_replay.ipynb #rp-format
 def format_replay(result) -> str:
@@ -480,6 +528,9 @@ def add_replay_args(p):
     g.add_argument("--vllm-flags", action="append", metavar="FLAGS", default=[],
                    help="one more vllm serve in the side-by-side, with these flags (repeatable), "
                         "e.g. '--max-num-batched-tokens 256'")
+    g.add_argument("--one-at-a-time", action="store_true",
+                   help="start, sweep and stop the side-by-side's servers one after the other (default: all started, "
+                        "swept rate by rate in turn)")
     g.add_argument("--also-target", action="append", metavar="TTFT,ITL", default=[],
                    help="a further target, read off the same sweep (repeatable), e.g. 0.5,0.1")
     _add_replay_sizes(g)
@@ -541,7 +592,8 @@ def replay_options(a) -> dict:
     also = _also(getattr(a, "also_target", []), a.itl_pct)
     vllm_flags = _vllm_flags(getattr(a, "vllm_flags", []))
     return dict(trace=a.trace, url=a.url, allow_remote=a.allow_remote, target=target, rates=_rates(a.rates),
-                vllm_dtypes=vllm_dtypes, vllm_flags=vllm_flags, also=also, sweep=a.rates is not None,
+                vllm_dtypes=vllm_dtypes, vllm_flags=vllm_flags, also=also,
+                one_at_a_time=getattr(a, "one_at_a_time", False), sweep=a.rates is not None,
                 time_scale=a.time_scale, bisect=a.bisect, deadline=a.deadline, **sizes)
 
 # %% ../nbs/09h_replay.ipynb #rp-load
@@ -570,7 +622,7 @@ def bench_replay(opts, vllm_python=None, model=None, threads=2, knobs=None, on_r
     if opts["url"] is None:
         return side_by_side(w, opts["target"], opts["rates"], vllm_python, model=model, threads=threads,
                             knobs=knobs, bisect=opts["bisect"], vllm_dtypes=opts.get("vllm_dtypes", ("float32",)),
-                            vllm_flags=opts.get("vllm_flags", ()),
+                            vllm_flags=opts.get("vllm_flags", ()), one_at_a_time=opts.get("one_at_a_time", False),
                             **kw, **also)
     url, target, kw["allow_remote"] = opts["url"], opts["target"], opts["allow_remote"]
     s = (sweep_replay(w, url, target, opts["rates"], opts["bisect"], **kw, **also) if opts["sweep"]

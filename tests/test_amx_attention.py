@@ -2,21 +2,13 @@
 import random
 import pytest, torch
 import pagednb.amx_attention as A
-from pagednb.attention import make_paged_problem, contiguous_attention, visible
+from pagednb.attention import make_paged_problem, contiguous_attention, chunk_reference
 
 needs_amx = pytest.mark.skipif(not A.amx_available(), reason="no AMX-BF16 here (CPU, compiler or OS): the kernel is a stub")
 
 def _problem(lens, qlens, H, KVH, D, bs, window=None, seed=0):
     return make_paged_problem(lens, qlens, num_heads=H, num_kv_heads=KVH, head_dim=D, block_size=bs, dtype=torch.bfloat16,
                               seed=seed, sliding_window=window).fill()
-
-def _reference(q, k, v, L, scale, window=None):
-    n = q.shape[0]
-    seen = visible(torch.arange(L - n, L)[:, None], torch.arange(L)[None], window)
-    o = torch.nn.functional.scaled_dot_product_attention(q.float().transpose(0, 1), k.float().transpose(0, 1),
-                                                         v.float().transpose(0, 1), attn_mask=seen, scale=scale,
-                                                         enable_gqa=True)
-    return o.transpose(0, 1)
 
 @pytest.mark.parametrize("n,L,G,window", [(1, 1, 1, None), (40, 300, 3, None), (40, 300, 3, 64), (130, 130, 2, 5),
                                           (17, 200, 4, 16)])
@@ -25,7 +17,7 @@ def test_torch_model_of_the_kernel(n, L, G, window):
     torch.manual_seed(n)
     q, k, v = torch.randn(n, 2 * G, 64).bfloat16(), torch.randn(L, 2, 64).bfloat16(), torch.randn(L, 2, 64).bfloat16()
     qpos = (L - n + torch.arange(n)).repeat_interleave(G)
-    want = _reference(q, k, v, L, 0.125, window)
+    want = chunk_reference(q, k, v, 0.125, window)
     for h in range(2):
         got = A.tiled_attention_torch(A.group_rows(q, h, G), k[:, h], v[:, h], qpos, 0.125, window).view(n, G, 64)
         torch.testing.assert_close(got, want[:, h * G:(h + 1) * G], atol=1e-2, rtol=1e-2)

@@ -158,25 +158,52 @@ def test_trace_prefixes_reach_the_server(tmp_path):
     assert common(p[0], p[1]) >= 32 and common(p[0], p[2]) < 16
 
 def test_side_by_side_gives_both_servers_the_same_rates_and_length(monkeypatch):
-    "The two servers get the same rates, the same context length and workload; engine knobs reach pagednb only."
+    "The servers get the same rates, context length and workload, swept together; engine knobs reach pagednb only."
     from pagednb import replay as R
     calls = []
-    monkeypatch.setattr(R, "serve_and_sweep", lambda engine, w, t, rates, **kw: calls.append((engine, w, rates, kw)) or
-                        dict(engine=engine, goodput_rps=1.0, bracket=[1, 2], points=[]))
+    def fake(specs, w, t, rates, **kw):
+        calls.append((specs, w, rates, kw))
+        return {n: dict(engine=s["engine"], goodput_rps=1.0, bracket=[1, 2], points=[]) for n, s in specs.items()}
+    monkeypatch.setattr(R, "serve_together", fake)
     w = Workload([SimRequest(8, 2, 0.5 * i) for i in range(4)] + [SimRequest(5000, 2, 2.0)])
-    out = R.side_by_side(w, Target(), vllm_python=R.__file__, knobs=dict(max_model_len=1024, block_size=32))
-    (e1, w1, r1, kw1), (e2, w2, r2, kw2) = calls
-    assert (e1, e2) == ("pagednb", "vllm") and r1 == r2 and len(r1) == 5 and w1 is w2 and len(w1) == 4
-    assert kw1["max_model_len"] == kw2["max_model_len"] == 1024
-    assert kw1["knobs"]["block_size"] == 32 and "knobs" not in kw2
+    out = R.side_by_side(w, Target(), vllm_python=R.__file__, knobs=dict(max_model_len=1024, block_size=32), bisect=1)
+    [(specs, w1, r1, kw1)] = calls                                           # one lockstep sweep of both
+    assert len(r1) == 5 and len(w1) == 4 and kw1 == dict(bisect=1)
+    assert [s["engine"] for s in specs.values()] == ["pagednb", "vllm"]
+    assert specs["pagednb serve"]["max_model_len"] == specs["vllm serve"]["max_model_len"] == 1024
+    assert specs["pagednb serve"]["knobs"]["block_size"] == 32 and "knobs" not in specs["vllm serve"]
     assert set(out["servers"]) == {"pagednb serve", "vllm serve"}
     calls.clear()
-    out = R.side_by_side(w, Target(), vllm_python=R.__file__, vllm_flags=(("--max-num-batched-tokens", "256"),))
-    assert [c[0] for c in calls] == ["pagednb", "vllm", "vllm"] and "flags" not in calls[1][3]
-    assert calls[2][3]["flags"] == ("--max-num-batched-tokens", "256") and calls[2][2] == r1
+    out = R.side_by_side(w, Target(), vllm_python=R.__file__, vllm_flags=(("--max-num-batched-tokens", "256"),),
+                         one_at_a_time=True)
+    assert [list(c[0]) for c in calls] == [["pagednb serve"], ["vllm serve"], ["vllm serve (--max-num-batched-tokens 256)"]]
+    assert "flags" not in calls[1][0]["vllm serve"] and all(c[2] == r1 for c in calls)
+    assert calls[2][0]["vllm serve (--max-num-batched-tokens 256)"]["flags"] == ("--max-num-batched-tokens", "256")
     assert list(out["servers"]) == ["pagednb serve", "vllm serve", "vllm serve (--max-num-batched-tokens 256)"]
     monkeypatch.setattr(R, "find_vllm_python", lambda p: None)
-    assert "skipped" in R.side_by_side(w, Target())["servers"]["vllm serve"]
+    calls.clear()
+    out = R.side_by_side(w, Target())
+    assert "skipped" in out["servers"]["vllm serve"] and list(calls[0][0]) == ["pagednb serve"]
+
+def test_serve_together_sweeps_in_lockstep_and_reports_a_server_that_did_not_start(monkeypatch):
+    "Servers that start are swept rate by rate in turn; one whose start fails is a `skipped` record, in its place."
+    from pagednb import replay as R
+    class Fake:
+        def __init__(self, engine, fail=False, ttft=0.01, **kw): self.engine, self.fail, self.ttft = engine, fail, ttft
+        def __enter__(self):
+            if self.fail: raise RuntimeError("the server exited before it was ready")
+            self.stub = StubServer(ttft=self.ttft, itl=0.005).__enter__()
+            self.url, self.start_s = self.stub.url, 0.1
+            return self
+        def __exit__(self, *exc): self.stub.__exit__(*exc)
+    monkeypatch.setattr(R, "replay_server", Fake)
+    w = Workload([SimRequest(8, 2, 0.1 * i) for i in range(6)])
+    runs = []
+    specs = {"a": dict(engine="pagednb"), "b": dict(engine="vllm", fail=True), "c": dict(engine="vllm", ttft=0.2)}
+    out = R.serve_together(specs, w, Target(ttft=0.1, itl=0.05), [5, 20], bisect=0, on_run=runs.append)
+    assert list(out) == ["a", "b", "c"] and "skipped" in out["b"] and "exited" in out["b"]["skipped"]
+    assert [r["server"] for r in runs] == ["a", "c", "a", "c"]
+    assert out["a"]["goodput_rps"] == 20 and out["c"]["goodput_rps"] == 0.0 and out["c"]["engine"] == "vllm"
 
 def test_a_stream_cut_short_is_an_error():
     "A stream that ends without `data: [DONE]` (a server that died mid-answer) is errored, not completed."
