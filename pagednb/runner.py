@@ -252,7 +252,7 @@ def __call__(self: PagedAttentionBackend, layer, q, k, v):
 def _attend_split(self: PagedAttentionBackend, q, kc, vc, g, spec, kw, scales):
     "16-bit queries: the C++ kernel takes the decode-like sequences (queries in float32), AMX or SDPA the prompts."
     x, kernel, plan = self.inputs, self.kernels.get(g), self.plans[g]
-    q32 = q.to(torch.float32, memory_format=torch.contiguous_format)            # the kernel's queries: float32
+    q32 = kernel and q.to(torch.float32, memory_format=torch.contiguous_format)  # the kernel's queries: float32
     short = kernel.attend(q32, kc, vc, **kw, **scales) if kernel else None
     if not plan.long: return short.to(q.dtype)                                    # a step of decodes only
     out = self._prompts(q, kc, vc, g, spec, kw, scales)                           # the prompts' rows
