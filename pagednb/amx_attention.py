@@ -59,7 +59,7 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 amx_kernel = CppLibrary("cpu_amx_attention.cpp", "PAGEDNB_AMX_KERNEL", dict(
     pagednb_amx_compiled=([], _I),
     pagednb_amx_supports=([_I, _I, _I], _I),
-    pagednb_amx_chunk_attention=([_P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I, _I], _I)),
+    pagednb_amx_chunk_attention=([_P, _I, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _I, _I], _I)),
     what="the AMX prompt-attention kernel is", fallback="prompts go to SDPA instead")
 
 def amx_available() -> bool:
@@ -99,26 +99,39 @@ def _check_chunk(query, k_cache, v_cache, block_table, seq_len):
         raise ValueError(f"block_table holds ids outside the cache's {k_cache.shape[0]} blocks: {ids.tolist()}")
 
 # %% ../nbs/04c_amx_attention.ipynb #chunk-attention
-def chunk_attention_amx(query, k_cache, v_cache, block_table, seq_len, scale, sliding_window=None, threads=None):
-    "The last `len(query)` of `seq_len` tokens attending through one `block_table` row, on AMX tiles: [n, H, D] float32."
+def _check_out(out, query):
+    "Raise, naming `out`, unless it is a contiguous bfloat16 or float32 tensor of the query's shape."
+    if out.shape != query.shape or out.dtype not in (torch.bfloat16, torch.float32) or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous bfloat16 or float32 tensor of shape {tuple(query.shape)}, "
+                         f"got {out.dtype} {tuple(out.shape)}")
+
+def chunk_attention_amx(query, k_cache, v_cache, block_table, seq_len, scale, sliding_window=None, threads=None,
+                        out=None):
+    "The last `len(query)` of `seq_len` tokens attending through one `block_table` row, on AMX tiles: [n, H, D]."
     lib = amx_kernel.require("use paged_attention's torch backend")
     check_window_args(sliding_window, None)
     _check_chunk(query, k_cache, v_cache, block_table, seq_len)
     if not amx_supports(query, k_cache):
         raise ValueError(f"the AMX kernel takes bfloat16 query and cache with head_dim a multiple of 32 up to 256, "
                          f"got {query.dtype}, {k_cache.dtype}, head_dim {query.shape[2]}: use the torch backend")
+    out = torch.empty(query.shape) if out is None else out              # float32 unless given
+    _check_out(out, query)
     (n, H, D), (_, bs, kvh, _) = query.shape, k_cache.shape
-    q, bt, out = query.contiguous(), block_table.to(torch.int32).contiguous(), torch.empty(n, H, D)
+    q, bt = query.contiguous(), block_table.to(torch.int32).contiguous()
     lo = _chunk_keys(seq_len, n, bs, sliding_window)                 # the first page the window reaches
-    rc = lib.pagednb_amx_chunk_attention(out.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                                         bt.data_ptr(), n, seq_len, lo, H, kvh, D, bs, scale, sliding_window or 0,
-                                         threads or torch.get_num_threads())
+    rc = lib.pagednb_amx_chunk_attention(out.data_ptr(), out.dtype == torch.bfloat16, q.data_ptr(),
+                                         k_cache.data_ptr(), v_cache.data_ptr(), bt.data_ptr(), n, seq_len, lo, H,
+                                         kvh, D, bs, scale, sliding_window or 0, threads or torch.get_num_threads())
     if rc: raise MemoryError("the AMX kernel could not allocate its tiles of K and V")
     return out
+
 
 # %% ../nbs/04c_amx_attention.ipynb #batch
 def paged_prompts_amx(out, query, k_cache, v_cache, block_tables, long, scale, sliding_window=None):
     "Each `(s, L, q0, q1)` of `long` (a `TorchAttentionPlan`'s prompts) into `out[q0:q1]`, on AMX tiles."
+    direct = out.is_contiguous() and out.dtype in (torch.bfloat16, torch.float32)     # the kernel writes the rows
     for s, L, q0, q1 in long:
-        out[q0:q1] = chunk_attention_amx(query[q0:q1], k_cache, v_cache, block_tables[s], L, scale, sliding_window)
+        rows = out[q0:q1] if direct else None
+        got = chunk_attention_amx(query[q0:q1], k_cache, v_cache, block_tables[s], L, scale, sliding_window, out=rows)
+        if not direct: out[q0:q1] = got
     return out

@@ -66,6 +66,10 @@ def test_several_prompts_into_one_output():
     long = [(s, int(p.seq_lens[s]), qsl[s], qsl[s + 1]) for s in range(3)]
     out = A.paged_prompts_amx(torch.empty_like(p.query), *p.args[:4], long, p.scale)
     torch.testing.assert_close(out.float(), contiguous_attention(p).float(), atol=1.5e-2, rtol=1e-2)
+    wide = A.paged_prompts_amx(torch.empty(p.query.shape), *p.args[:4], long, p.scale)        # float32 rows
+    assert torch.equal(out, wide.bfloat16())                  # the kernel's bfloat16 rows: its float32 rounded once
+    cols = torch.empty(9, p.query.shape[0], 64).bfloat16().transpose(0, 1)                     # not contiguous
+    assert torch.equal(A.paged_prompts_amx(cols, *p.args[:4], long, p.scale), out)
 
 def test_supports():
     q, kc = torch.zeros(5, 9, 64).bfloat16(), torch.zeros(4, 16, 3, 64).bfloat16()

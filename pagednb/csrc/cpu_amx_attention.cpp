@@ -268,8 +268,20 @@ static inline bool at_edge(const Rows& t, int k0, int nk, int window) {
   return k0 + nk - 1 > t.pos[0] || (window > 0 && k0 <= t.pos[15] - window);
 }
 
-// One tile: rows r0.. of kv head h's rows (row r: token r / G, head h * G + r % G); out[n][H][D] float32
-static void attend_tile(float* out, const uint16_t* q, Packed p, int r0, int n, int L, int lo, int h, int H,
+// Row i of a tile, normalized, into o: D float32, or D bfloat16 rounded to nearest even (as torch rounds)
+static inline void store_row(void* o, bool out_bf16, const float* acc, float inv, int D) {
+  if (!out_bf16) {
+    for (int d = 0; d < D; d++) ((float*)o)[d] = acc[d] * inv;
+    return;
+  }
+  for (int d = 0; d < D; d += 16) {
+    const __m256bh h = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(acc + d), _mm512_set1_ps(inv)));
+    std::memcpy((uint16_t*)o + d, &h, sizeof h);
+  }
+}
+
+// One tile: rows r0.. of kv head h's rows (row r: token r / G, head h * G + r % G); out[n][H][D] float32 or bfloat16
+static void attend_tile(void* out, bool out_bf16, const uint16_t* q, Packed p, int r0, int n, int L, int lo, int h, int H,
                         int G, int D, float scale, int window, float* buf) {
   alignas(64) uint16_t qb[16 * 256], pb[16 * KB];
   alignas(64) float s[16 * KB];
@@ -295,9 +307,9 @@ static void attend_tile(float* out, const uint16_t* q, Packed p, int r0, int n, 
   }
   for (int i = 0; i < 16 && r0 + i < R; i++) {
     const int r = r0 + i;
-    float* o = out + ((int64_t)(r / G) * H + h * G + r % G) * D;
-    const float inv = 1.f / t.l[i];
-    for (int d = 0; d < D; d++) o[d] = t.acc[i * D + d] * inv;
+    const int64_t at = ((int64_t)(r / G) * H + h * G + r % G) * D;
+    store_row(out_bf16 ? (void*)((uint16_t*)out + at) : (void*)((float*)out + at), out_bf16, t.acc + i * D,
+              1.f / t.l[i], D);
   }
 }
 #endif
@@ -312,10 +324,11 @@ extern "C" int pagednb_amx_supports(int H, int KVH, int D) {
 }
 
 // The last n of a sequence's L tokens attend to keys [lo, L) (lo: the first the window can show, else 0), read
-// through block_table from bfloat16 caches [blocks][BS][KVH][D]: q [n][H][D] bfloat16 -> out [n][H][D] float32.
+// through block_table from bfloat16 caches [blocks][BS][KVH][D]: q [n][H][D] bfloat16 -> out [n][H][D] float32
+// (out_bf16 = 0) or bfloat16 (out_bf16 = 1, each value rounded once).
 // A key is seen when it is at or before the query and, with window > 0, within the last `window`. Returns 0, or
 // 2 where the kernel does not support the shape (see pagednb_amx_supports), 1 out of memory.
-extern "C" int pagednb_amx_chunk_attention(float* out, const uint16_t* q, const uint16_t* k_cache,
+extern "C" int pagednb_amx_chunk_attention(void* out, int out_bf16, const uint16_t* q, const uint16_t* k_cache,
                                           const uint16_t* v_cache, const int32_t* block_table, int n, int L,
                                           int lo, int H, int KVH, int D, int BS, float scale, int window,
                                           int num_threads) {
@@ -345,7 +358,7 @@ extern "C" int pagednb_amx_chunk_attention(float* out, const uint16_t* q, const 
       if (!buf) continue;
       const int h = w % KVH, r0 = (tiles - 1 - w / KVH) * 16;
       const Packed p{kt.get() + (size_t)h * (D / 2) * lp, vv.get() + (size_t)h * lp * D, lp};
-      attend_tile(out, q, p, r0, n, L, lo, h, H, G, D, scale, window, buf);
+      attend_tile(out, out_bf16, q, p, r0, n, L, lo, h, H, G, D, scale, window, buf);
     }
     _tile_release();
     std::free(buf);
