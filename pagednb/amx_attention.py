@@ -125,7 +125,6 @@ def chunk_attention_amx(query, k_cache, v_cache, block_table, seq_len, scale, sl
     if rc: raise MemoryError("the AMX kernel could not allocate its tiles of K and V")
     return out
 
-
 # %% ../nbs/04c_amx_attention.ipynb #batch
 def paged_prompts_amx(out, query, k_cache, v_cache, block_tables, long, scale, sliding_window=None):
     "Each `(s, L, q0, q1)` of `long` (a `TorchAttentionPlan`'s prompts) into `out[q0:q1]`, on AMX tiles."

@@ -192,7 +192,6 @@ def contiguous_attention(p: PagedProblem):
             for s, (k, v) in enumerate(zip(p.k_seqs, p.v_seqs))]
     return torch.cat(outs).to(p.query.dtype)
 
-
 # %% ../nbs/04_paged_attention.ipynb #89cb7a30
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _STORED = (torch.float8_e4m3fn, torch.float8_e5m2)

@@ -221,7 +221,6 @@ def recount_stop(self: AsyncEngine, rid, index):
     self.finished["length"] -= 1
     self.finished["stop"] = self.finished.get("stop", 0) + 1
 
-
 # %% ../nbs/10b_core.ipynb #02d48b4c-2
 @patch
 def _deliver(self: AsyncEngine, outs):

@@ -366,7 +366,6 @@ def search_rate(measure, rates, share=0.9, bisect=2) -> dict:
     "The highest rate whose `measure(rate)['attainment']` is >= `share`: each of `rates` swept, then bisected."
     return in_lockstep({0: rate_search(rates, share, bisect)}, {0: measure})[0]
 
-
 # %% ../nbs/09h_replay.ipynb #6e0b7c6d
 def attainment(rep, target) -> float:
     "The share of the requests sent in run `rep` that completed within `target`."
@@ -411,7 +410,6 @@ def sweep_replay(workload, url, target=Target(), rates=None, bisect=2, on_run=No
     "Replay `workload` at each of `rates` (default: 1/4 to 4 times its own), then bisect; `also`: read off the runs."
     return sweep_together({url: url}, workload, target, rates, bisect, on_run, also, **kw)[url]
 
-
 # %% ../nbs/09h_replay.ipynb #rp-plot
 def plot_attainment(sweeps: dict, title=None):
     "Attainment against request rate, one line per server (`{name: sweep}`), the target's share dashed."
@@ -449,7 +447,6 @@ def serve_together(specs: dict, workload, target=Target(), rates=None, **kw) -> 
         sweeps = sweep_together({n: s.url for n, s in up.items()}, workload, target, rates, model=SERVED_NAME, **kw)
         out |= {n: dict(sweeps[n], engine=specs[n]["engine"], server_start_s=s.start_s) for n, s in up.items()}
     return {name: out[name] for name in specs}
-
 
 # %% ../nbs/09h_replay.ipynb #rp-warm
 def warm_up(url, n=2):
@@ -491,7 +488,6 @@ def side_by_side(workload, target=Target(), rates=None, vllm_python=None, vllm_d
     why = dict(engine="vllm", skipped="no vLLM venv: pass --vllm-python PATH or set $PAGEDNB_VLLM_PYTHON")
     servers = {name: servers.get(name, why) for name in specs}
     return dict(workload=workload.describe(), target=asdict(target), machine=machine_info(), servers=servers)
-
 
 # %% ../nbs/09h_replay.ipynb #rp-format
 def format_replay(result) -> str:

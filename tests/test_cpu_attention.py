@@ -104,6 +104,17 @@ def _thp_mode(name):
     p = Path(f"/sys/kernel/mm/transparent_hugepage/{name}")
     return p.read_text().split("[")[1].split("]")[0] if p.exists() else None
 
+def _smaps_kib(address, nbytes, field):
+    "kB of `field` summed over this process's mappings that overlap `[address, address + nbytes)`; None: none there."
+    total, inside, found = 0, False, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-")); inside = lo < address + nbytes and address < hi
+            found |= inside
+        elif inside and line.startswith(field + ":"): total += int(line.split()[1])
+    return total if found else None
+
 def test_zeros_huge_pages():
     t = C.zeros_huge_pages((16, 1 << 20), torch.float32)                  # 64 MiB
     assert t.shape == (16, 1 << 20) and t.dtype == torch.float32
@@ -111,35 +122,20 @@ def test_zeros_huge_pages():
     t.fill_(1.0)                  # backed as first written (a read first would map the shared zero page instead)
     if _thp_mode("enabled") not in ("always", "madvise") or _thp_mode("defrag") not in ("always", "madvise", "defer+madvise"):
         pytest.skip("this kernel does not give 2 MiB pages on request")
-    a, n, huge, inside = t.data_ptr(), t.numel() * 4, 0, False
-    for line in Path("/proc/self/smaps").read_text().splitlines():    # madvise splits the mapping: sum over all its parts
-        head = line.split()[0]
-        if "-" in head and ":" not in head:
-            lo, hi = (int(x, 16) for x in head.split("-")); inside = lo < a + n and a < hi
-        elif inside and line.startswith("AnonHugePages:"): huge += int(line.split()[1])
+    huge = _smaps_kib(t.data_ptr(), t.numel() * 4, "AnonHugePages") or 0   # madvise splits the mapping: all its parts
     assert huge >= 32 << 10, f"only {huge} kB of the tensor's mapping is on 2 MiB pages"
-
-def _mapped_mib(address, nbytes):
-    "Resident MiB of this process's mappings that overlap `[address, address + nbytes)` (None: nothing mapped there)."
-    rss, inside, found = 0, False, False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and ":" not in head:
-            lo, hi = (int(x, 16) for x in head.split("-")); inside = lo < address + nbytes and address < hi
-            found |= inside
-        elif inside and line.startswith("Rss:"): rss += int(line.split()[1])
-    return rss / 1024 if found else None
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
 def test_zeros_huge_pages_costs_ram_only_when_written_and_gives_it_back():
     # The pool's own mapping is measured, not the process's RSS: other threads of a test worker may allocate meanwhile.
     t = C.zeros_huge_pages((2, 30, 4000, 16, 3, 64))                     # 2.6 GiB of KV pool
     address, nbytes = t.data_ptr(), t.numel() * t.element_size()
-    assert _mapped_mib(address, nbytes) < 64, "allocating must not touch the pool"
+    rss_mib = lambda: (_smaps_kib(address, nbytes, "Rss") or 0) / 1024
+    assert rss_mib() < 64, "allocating must not touch the pool"
     t[:, :, :50] = 1.0
-    assert 30 < _mapped_mib(address, nbytes) < 400 and not t[:, :, 50:].any()
+    assert 30 < rss_mib() < 400 and not t[:, :, 50:].any()
     del t
-    assert not _mapped_mib(address, nbytes), "the pool's memory must go back when the tensor dies"
+    assert not _smaps_kib(address, nbytes, "Rss"), "the pool's memory must go back when the tensor dies"
 
 def test_store_kv_cpu():
     p = make_paged_problem([20, 9], num_heads=4, num_kv_heads=2, head_dim=32, block_size=8).fill()

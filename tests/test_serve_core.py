@@ -188,8 +188,8 @@ def test_stop_strings_are_found_by_the_api_server(model_dir):
         stop = text[8:11]
         assert len(text) > 12 and stop.strip()
         for extra in (dict(), dict(stream=True), dict(include_stop_str_in_output=True)):
-            # room to run on past the stop: the core must still be generating when the API server finds it, or it
-            # finishes the output by length first (24 tokens of a tiny model are gone in a few ms)
+            # room to run on past the stop, so the core is still generating when the API server finds it (24 tokens
+            # of a tiny model are gone in a few ms; an output already finished by length is recounted as a stop)
             body = dict(base, stop=[stop], max_tokens=400, **extra)
             split = _choices(two.url, body)
             assert split == _choices(one.url, body)
