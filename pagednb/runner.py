@@ -7,9 +7,10 @@ Docs: https://pagednb.github.io/pagednb/runner.html.md"""
 # %% auto #0
 __all__ = ['K_SCALE_CONSTANT', 'V_SCALE_CONSTANT', 'GRAPH_BATCH_SIZES', 'GiB', 'StepInputs', 'attention_path', 'cpu_kernel_order',
            'query_rows', 'block_table_tensor', 'token_slots', 'BlockTables', 'decode_inputs', 'layer_views',
-           'measured_kv_scale', 'PagedAttentionBackend', 'KVPrefetcher', 'ModelRunner', 'LayerCopies', 'CopyThread',
-           'graph_bucket', 'StaticDecodeInputs', 'DecodeGraphs', 'record_cuda_graph', 'model_bytes', 'GPUMemory',
-           'gpu_kv_budget', 'profile_gpu_memory', 'kv_budget', 'num_kv_blocks', 'kv_line', 'grouped_kv_line']
+           'measured_kv_scale', 'PagedAttentionBackend', 'float_rows', 'KVPrefetcher', 'ModelRunner', 'LayerCopies',
+           'CopyThread', 'graph_bucket', 'StaticDecodeInputs', 'DecodeGraphs', 'record_cuda_graph', 'model_bytes',
+           'GPUMemory', 'gpu_kv_budget', 'profile_gpu_memory', 'kv_budget', 'num_kv_blocks', 'kv_line',
+           'grouped_kv_line']
 
 # %% ../nbs/06_runner.ipynb #ed8c50dc
 import contextlib, functools, itertools, math, os, queue, threading, time, weakref
@@ -247,13 +248,21 @@ def __call__(self: PagedAttentionBackend, layer, q, k, v):
                            max_query_len=x.max_query_len, max_seq_len=x.max_seq_len, plan=self.plans.get(g), **kw,
                            **scales)
 
+# %% ../nbs/06_runner.ipynb #float-rows
+def float_rows(q, rows=None):
+    "`q` in float32 for the C++ kernel: every row, or only `rows` (those the kernel reads; the others left unset)."
+    if rows is None: return q.to(torch.float32, memory_format=torch.contiguous_format)
+    q32 = torch.empty(q.shape, dtype=torch.float32)
+    q32[rows] = q[rows].float()
+    return q32
+
 # %% ../nbs/06_runner.ipynb #attend-split
 @patch
 def _attend_split(self: PagedAttentionBackend, q, kc, vc, g, spec, kw, scales):
     "16-bit queries: the C++ kernel takes the decode-like sequences (queries in float32), AMX or SDPA the prompts."
     x, kernel, plan = self.inputs, self.kernels.get(g), self.plans[g]
-    q32 = kernel and q.to(torch.float32, memory_format=torch.contiguous_format)  # the kernel's queries: float32
-    short = kernel.attend(q32, kc, vc, **kw, **scales) if kernel else None
+    rows = self._rows if plan.long else None                                      # with prompts: the kernel's rows
+    short = kernel.attend(float_rows(q, rows), kc, vc, **kw, **scales) if kernel else None
     if not plan.long: return short.to(q.dtype)                                    # a step of decodes only
     out = self._prompts(q, kc, vc, g, spec, kw, scales)                           # the prompts' rows
     if kernel: out[self._rows] = short[self._rows].to(q.dtype)

@@ -207,6 +207,7 @@ def _take(self: Scheduler, seq, n, plan, hits=(), k=0):
         plan.shared[seq.seq_id] = alloc.computed_blocks
     plan.copies += alloc.copies
     self._schedule_seq(seq, n, plan, k)
+    self.bm.cache_blocks(seq, min(seq.num_computed_tokens + n, seq.num_prompt_tokens))   # see below
 
 # %% ../nbs/05_scheduler.ipynb #cdb2811b
 @patch
