@@ -199,7 +199,7 @@ def _schedule_seq(self: Scheduler, seq, n, plan, k=0):
 
 @patch
 def _take(self: Scheduler, seq, n, plan, hits=(), k=0):
-    "Allocate pages for `n` new tokens of `seq` (plus `k` lookahead slots) and add it to the plan."
+    "Allocate pages for `n` new tokens of `seq` (+ `k` lookahead slots), plan it, register its prompt pages."
     alloc = self.bm.allocate(seq, n, hits, num_lookahead_slots=k)
     if alloc.new_blocks:
         plan.allocated[seq.seq_id] = alloc.new_blocks
@@ -207,7 +207,7 @@ def _take(self: Scheduler, seq, n, plan, hits=(), k=0):
         plan.shared[seq.seq_id] = alloc.computed_blocks
     plan.copies += alloc.copies
     self._schedule_seq(seq, n, plan, k)
-    self.bm.cache_blocks(seq, min(seq.num_computed_tokens + n, seq.num_prompt_tokens))   # see below
+    self.bm.cache_blocks(seq, min(seq.num_computed_tokens + n, seq.num_prompt_tokens))   # shared in this step
 
 # %% ../nbs/05_scheduler.ipynb #cdb2811b
 @patch
