@@ -226,6 +226,17 @@ def get_computed_blocks(self: BlockManager, seq) -> list:
 def cache_blocks(self: BlockManager, seq, num_computed_tokens: int):
     "Register full blocks in the prefix cache: nothing to do here."
 
+@patch
+def forget_blocks(self: BlockManager, seq, num_tokens: int) -> list:
+    "Un-register `seq`'s blocks from token `num_tokens` on (a failed step's promises): none without prefix caching."
+    return []
+
+@patch
+def computed_among(self: BlockManager, seq, blocks) -> bool:
+    "Does `seq` count one of `blocks` among the pages it has computed, in any group?"
+    n = seq.num_computed_tokens//self.block_size
+    return any(b in blocks for t in self._tables(seq) for b in t[:n])
+
 # %% ../nbs/02_block_manager.ipynb #bm-tables
 @patch
 def _tables(self: BlockManager, seq) -> list:

@@ -200,6 +200,22 @@ def cache_blocks(self: PrefixCachingBlockManager, seq, num_computed_tokens: int)
         if new and self.kv_events is not None: self._record_stored(seq, g, new)
         done[g] = max(done[g], n)
 
+# %% ../nbs/03_prefix_cache.ipynb #pc-forget
+@patch
+def forget_blocks(self: PrefixCachingBlockManager, seq, num_tokens: int) -> list:
+    "Un-register `seq`'s own registered blocks from token `num_tokens` on, in every group; their ids."
+    done, start, gone = self._num_hashed.get(seq.seq_id), num_tokens//self.block_size, []
+    for g, table in enumerate(self._tables(seq) if done else ()):
+        for b in table[start:done[g]]:
+            blk = self.blocks[b]
+            if b == self.null_block or self.registries[g].get(blk.block_hash) != b: continue
+            if self.kv_events is not None: self._record_removed(blk)
+            del self.registries[g][blk.block_hash]
+            blk.block_hash = None
+            gone.append(b)
+        done[g] = min(done[g], start)
+    return gone
+
 # %% ../nbs/03_prefix_cache.ipynb #9af9f981
 @patch
 def deallocate(self: PrefixCachingBlockManager, seq):

@@ -242,3 +242,18 @@ def test_decode_step_budget_on_the_engine(parts):
     eng.add_request("b", dict(prompt_token_ids=list(range(400, 600))), decode_40)
     assert _steps_to_first_token(eng, "b") == 14                # beside a's decode: 15 of b's tokens a step
     while eng.has_unfinished_requests(): eng.step()
+
+def test_a_failed_step_takes_back_the_pages_it_shared_before_computing(parts, prompts, reference):
+    "A prompt fails in the step where a second shares its system prompt's pages: the second starts over and is right."
+    llm = LLM(parts, log=False, max_model_len=1024)
+    execute, poison = llm.engine.runner.execute, prompts[0]
+    def poisoned(plan):                                  # a forward that holds the first prompt raises before writing
+        if any(list(sc.seq.token_ids[:len(poison)]) == poison for sc in plan.scheduled): raise RuntimeError("fault")
+        return execute(plan)
+    llm.engine.runner.execute = poisoned
+    outs = llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=MAX_NEW), use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "error" and outs[1].outputs[0].token_ids == reference[1]
+    llm.engine.runner.execute = execute                  # the pages left in the cache are right ones, or none
+    again = llm.generate(prompts[1:3], SamplingParams(temperature=0, max_tokens=MAX_NEW), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == reference[1:3]
+    check_all_free(llm)
