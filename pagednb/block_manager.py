@@ -231,12 +231,6 @@ def forget_blocks(self: BlockManager, seq, num_tokens: int) -> list:
     "Un-register `seq`'s blocks from token `num_tokens` on (a failed step's promises): none without prefix caching."
     return []
 
-@patch
-def computed_among(self: BlockManager, seq, blocks) -> bool:
-    "Does `seq` count one of `blocks` among the pages it has computed, in any group?"
-    n = seq.num_computed_tokens//self.block_size
-    return any(b in blocks for t in self._tables(seq) for b in t[:n])
-
 # %% ../nbs/02_block_manager.ipynb #bm-tables
 @patch
 def _tables(self: BlockManager, seq) -> list:
@@ -357,6 +351,13 @@ def allocate(self: BlockManager, seq, num_new_tokens: int, computed_blocks=(),
         table.extend(new)
         out.new_blocks += new
     return out
+
+# %% ../nbs/02_block_manager.ipynb #bm-computed-among
+@patch
+def computed_among(self: BlockManager, seq, blocks) -> bool:
+    "Does `seq` count one of `blocks` among the pages it has computed, in any group?"
+    n = seq.num_computed_tokens//self.block_size
+    return any(b in blocks for t in self._tables(seq) for b in t[:n])
 
 # %% ../nbs/02_block_manager.ipynb #0c612c2e
 @patch

@@ -19,7 +19,7 @@ from .model import load_model, generation_defaults, NoCacheAttention
 from .block_manager import kv_slots
 from .prefix_cache import make_block_manager
 from .kv_offload import OffloadingBlockManager, DiskTier, tier_num_blocks
-from .scheduler import Scheduler, Sequence, SequenceStatus, StepPlan
+from .scheduler import Scheduler, Sequence, SequenceStatus
 from .sampling import SamplingParams, CompletionOutput, RequestOutput, RequestMetrics, sample
 from .sampling import process_logits, token_logprobs, RequestOutputKind
 from .runner import ModelRunner, num_kv_blocks, grouped_kv_line
@@ -689,22 +689,13 @@ def _isolate(self: LLMEngine, plan, err):
     groups = {}
     for sc in plan.scheduled: groups.setdefault(sc.seq.request.request_id, []).append(sc)
     bad = {rid: err for rid in groups} if len(groups) == 1 else self._culprits(plan, groups)
-    self._forget_uncomputed(plan)
+    self.scheduler.take_back(plan)                 # the prompt pages it promised
     for rid, e in bad.items(): self._fail_request(rid, e)
     blameless = not bad or (len(bad) == len(groups) and not self._model_works())
     self._failures = self._failures + 1 if blameless else 0
     if self._failures >= 3:
         self.dead = f"3 steps in a row failed with no request to blame; the last error: {type(err).__name__}: {err}"
         raise EngineDeadError(self.dead) from err
-
-@patch
-def _forget_uncomputed(self: LLMEngine, plan):
-    "Un-register the prompt pages the failed step promised; a sequence that counted one as computed starts over."
-    bm, forgotten = self.block_manager, set()
-    for sc in plan.scheduled: forgotten.update(bm.forget_blocks(sc.seq, sc.seq.num_computed_tokens))
-    for sc in plan.scheduled:
-        if sc.seq.status is SequenceStatus.RUNNING and bm.computed_among(sc.seq, forgotten):
-            self.scheduler._preempt(sc.seq, StepPlan())
 
 @patch
 def _culprits(self: LLMEngine, plan, groups):

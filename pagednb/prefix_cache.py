@@ -205,7 +205,8 @@ def cache_blocks(self: PrefixCachingBlockManager, seq, num_computed_tokens: int)
 def forget_blocks(self: PrefixCachingBlockManager, seq, num_tokens: int) -> list:
     "Un-register `seq`'s own registered blocks from token `num_tokens` on, in every group; their ids."
     done, start, gone = self._num_hashed.get(seq.seq_id), num_tokens//self.block_size, []
-    for g, table in enumerate(self._tables(seq) if done else ()):
+    if done is None: return gone                                    # nothing registered for `seq`
+    for g, table in enumerate(self._tables(seq)):
         for b in table[start:done[g]]:
             blk = self.blocks[b]
             if b == self.null_block or self.registries[g].get(blk.block_hash) != b: continue

@@ -346,6 +346,15 @@ def schedule(self: Scheduler) -> StepPlan:
     self.num_steps += 1
     return plan
 
+# %% ../nbs/05_scheduler.ipynb #take-back
+@patch
+def take_back(self: Scheduler, plan: StepPlan):
+    "After `plan` failed: forget the prompt pages it promised; a sequence that counted one as computed starts over."
+    forgotten = {b for sc in plan.scheduled for b in self.bm.forget_blocks(sc.seq, sc.seq.num_computed_tokens)}
+    for sc in plan.scheduled:
+        if sc.seq.status is SequenceStatus.RUNNING and self.bm.computed_among(sc.seq, forgotten):
+            self._preempt(sc.seq, StepPlan())
+
 # %% ../nbs/05_scheduler.ipynb #6ae3f5e2
 @patch
 def update(self: Scheduler, plan: StepPlan, computed=None):
